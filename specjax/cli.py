@@ -1,0 +1,74 @@
+"""The `specjax` command: convert, generate, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _convert(args) -> int:
+    from .target import convert
+
+    dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}[args.dtype]
+    dst = convert(args.src, args.dst, dtype=dtype, overwrite=args.overwrite)
+    print(f"wrote {dst}")
+    return 0
+
+
+def _generate(args) -> int:
+    from . import generate, load
+
+    target = load(args.model, attn_impl=args.attn_impl)
+    drafter = None
+    if args.drafter:
+        from .drafters import load_drafter
+
+        drafter = load_drafter(args.drafter, target)
+    prompts = args.prompt if target.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
+    out = generate(target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
+                   num_draft_tokens=args.num_draft_tokens)
+    for i, toks in enumerate(out.tokens):
+        print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
+    print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="Hugging Face model dir -> specjax orbax checkpoint")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: the checkpoint's")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_convert)
+
+    p = sub.add_parser("generate", help="continue prompts (text, or space-separated ids without a tokenizer)")
+    p.add_argument("model")
+    p.add_argument("--prompt", action="append", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter", default=None, help="a draft-model checkpoint dir")
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.set_defaults(fn=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"specjax {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

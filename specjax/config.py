@@ -1,0 +1,189 @@
+"""Model and decode configuration: frozen dataclasses, hashable, static under jit.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dict, written by older
+transformers (`rope_theta`, `rope_scaling`) or newer ones (`rope_parameters`), and
+refuses any field this code does not implement instead of silently ignoring it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# architectures entry -> family flags. All are the dense pre-norm decoder with GQA,
+# SwiGLU MLP and rotate-half RoPE; they differ only in the flags below.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": dict(family="llama", qkv_bias=None, qk_norm=False),
+    "MistralForCausalLM": dict(family="mistral", qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
+}
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base and optional scaling (`linear` or Llama 3's `llama3`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of one dense decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 8192
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"
+    dtype: str = "float32"
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = d * (qd + 2 * kvd) + qd * d + 3 * d * f + 2 * d
+        per_layer += (qd + 2 * kvd) if self.qkv_bias else 0
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        head = 0 if self.tie_word_embeddings else d * v
+        return v * d + l * per_layer + d + head
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict; raise ValueError on anything unsupported."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
+            raise ValueError(
+                f"config.json 'architectures' is {archs!r}; specjax supports exactly one of "
+                f"{sorted(_ARCHITECTURES)}"
+            )
+        arch = _ARCHITECTURES[archs[0]]
+        _refuse_unsupported(hf, arch["family"])
+        hidden = _require(hf, "hidden_size")
+        heads = _require(hf, "num_attention_heads")
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = hf.get("head_dim") or hidden // heads
+        qkv_bias = arch["qkv_bias"] if arch["qkv_bias"] is not None else bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        torch_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        return cls(
+            vocab_size=_require(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_require(hf, "intermediate_size"),
+            num_layers=_require(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=arch["qk_norm"],
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            sliding_window=_sliding_window(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            family=arch["family"],
+            dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"),
+        )
+
+
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def _require(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise ValueError(f"config.json lacks required field '{key}'")
+    return hf[key]
+
+
+def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json 'mlp_bias' is true; specjax's MLP has no bias (set it false or drop it)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json 'hidden_act' is {act!r}; specjax implements only 'silu' (SwiGLU)")
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        raise ValueError("config.json 'pretraining_tp' != 1 is not supported")
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"config.json 'layer_types' has {set(layer_types)}; only 'full_attention' is supported")
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window that would limit attention, or None. Qwen gates it by `use_sliding_window`."""
+    if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+        return None
+    window = hf.get("sliding_window")
+    return int(window) if window else None
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json rope scaling type {rope_type!r} is not implemented; supported: {_SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is chosen from logits. temperature 0 means greedy (top_k/top_p ignored)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingConfig":
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        return self

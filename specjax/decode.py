@@ -1,0 +1,86 @@
+"""The plain autoregressive loop: prefill, then one token per row per step, all in one jit.
+
+Shapes are fixed by buckets (batch, prompt length, output length, cache length); rows
+finish independently on EOS or their own token budget and are masked afterwards.
+This loop is the baseline every speculative speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .cache import KVCache, init_cache
+from .config import ModelConfig, SamplingConfig
+from .models.decoder import forward, lm_head
+from .sampling import choose_token
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Everything static about one compiled decode loop."""
+
+    model: ModelConfig
+    sampling: SamplingConfig
+    eos_ids: tuple[int, ...]
+    out_len: int  # output buffer length (bucket of max_new_tokens)
+    cache_len: int  # KV cache length
+    attn_impl: str = "auto"
+
+
+def is_eos(tok_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tok_B.shape, jnp.bool_)
+    return jnp.isin(tok_B, jnp.asarray(eos_ids, jnp.int32))
+
+
+def prefill(params: dict, lc: LoopConfig, cache: KVCache, prompt_BT: jax.Array, prompt_len_B: jax.Array,
+            capture: tuple[int, ...] = ()):
+    """Run right-padded prompts into an empty cache; return last-position logits [B, V], captures, cache."""
+    h_BTD, captured, cache = forward(params, lc.model, prompt_BT, cache, capture=capture, attn_impl=lc.attn_impl)
+    last_B1D = jnp.take_along_axis(h_BTD, (prompt_len_B - 1)[:, None, None], axis=1)
+    logits_BV = lm_head(params, lc.model, last_B1D)[:, 0]
+    return logits_BV, captured, KVCache(cache.k, cache.v, prompt_len_B)
+
+
+@partial(jax.jit, static_argnames=("lc",))
+def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
+                key: jax.Array, *, lc: LoopConfig):
+    """Generate up to max_new_B[b] tokens per row. Returns (tokens [B, out_len], counts [B], steps).
+
+    The cache is allocated inside the jit and carried through the loop, so it never
+    crosses the jit boundary: XLA updates it in place with nothing to copy or donate.
+    """
+    b = prompt_BT.shape[0]
+    key, sub = jax.random.split(key)
+    cache = init_cache(lc.model, b, lc.cache_len)
+    logits_BV, _, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B)
+    tok_B = choose_token(sub, logits_BV, lc.sampling)
+    out_BO = jnp.zeros((b, lc.out_len), jnp.int32).at[:, 0].set(tok_B)
+    count_B = jnp.minimum(max_new_B, 1)
+    done_B = (count_B >= max_new_B) | is_eos(tok_B, lc.eos_ids)
+
+    def cond(state):
+        step, _, _, _, _, done_B, _ = state
+        return (step < lc.out_len) & ~jnp.all(done_B)
+
+    def body(state):
+        step, cache, tok_B, out_BO, count_B, done_B, key = state
+        key, sub = jax.random.split(key)
+        h_B1D, _, cache = forward(params, lc.model, tok_B[:, None], cache, attn_impl=lc.attn_impl)
+        # Finished rows keep computing (fixed shapes) but stop advancing.
+        cache = KVCache(cache.k, cache.v, cache.lengths + (~done_B).astype(jnp.int32))
+        new_B = choose_token(sub, lm_head(params, lc.model, h_B1D)[:, 0], lc.sampling)
+        new_B = jnp.where(done_B, tok_B, new_B)
+        out_BO = out_BO.at[jnp.arange(b), jnp.where(done_B, lc.out_len, count_B)].set(new_B, mode="drop")
+        count_B = count_B + (~done_B).astype(jnp.int32)
+        done_B = done_B | (count_B >= max_new_B) | is_eos(new_B, lc.eos_ids)
+        return step + 1, cache, new_B, out_BO, count_B, done_B, key
+
+    state = (jnp.int32(1), cache, tok_B, out_BO, count_B, done_B, key)
+    steps, _, _, out_BO, count_B, _, _ = lax.while_loop(cond, body, state)
+    return out_BO, count_B, steps

@@ -1,0 +1,181 @@
+"""The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as pure functions.
+
+Params are a nested dict; the per-layer weights are stacked on a leading axis and the
+layers run under `lax.scan`, so compile time does not grow with depth. The KV cache is
+carried through the scan and written in place at each row's offset.
+
+Hidden-state numbering follows Hugging Face: `capture=(i,)` returns the residual
+stream entering layer i (= HF `hidden_states[i]`, 0 = embeddings); `i = num_layers`
+returns the last layer's output before the final norm (HF's last hidden state is
+already normed, ours is not: MTP heads want the pre-norm one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.kernels import attention
+
+from ..cache import KVCache, write_layer
+from ..config import ModelConfig, RopeConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back before the scale (as Hugging Face does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
+    """Inverse frequencies [head_dim/2], with `linear` or `llama3` scaling applied."""
+    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face layout, not interleaved pairs)."""
+    angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BTD).astype(x_BTHD.dtype), jnp.sin(angles_BTD).astype(x_BTHD.dtype)
+    half = x_BTHD.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
+    return x_BTHD * cos + rotated * sin
+
+
+def causal_mask(t: int) -> jax.Array:
+    return jnp.tril(jnp.ones((t, t), jnp.bool_))
+
+
+def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
+           mask_BTT, inv_freq, attn_impl: str):
+    b, t, _ = h_BTD.shape
+    x_BTD = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
+    q = x_BTD @ p["wq"]
+    k = x_BTD @ p["wk"]
+    v = x_BTD @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q_BTHD = rms_norm(q_BTHD, p["q_norm"], cfg.rms_norm_eps)
+        k_BTKD = rms_norm(k_BTKD, p["k_norm"], cfg.rms_norm_eps)
+    q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq)
+    k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq)
+    k_cache = write_layer(k_cache, layer, k_BTKD, lengths_B)
+    v_cache = write_layer(v_cache, layer, v_BTKD, lengths_B)
+    o_BTHD = attention(q_BTHD, k_cache, v_cache, lengths_B, mask_BTT, layer=layer, impl=attn_impl)
+    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
+    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+    mlp_BTF = jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])
+    return h_BTD + mlp_BTF @ p["w_down"], k_cache, v_cache
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens_BT: jax.Array,
+    cache: KVCache,
+    *,
+    positions_BT: jax.Array | None = None,
+    mask_BTT: jax.Array | None = None,
+    capture: tuple[int, ...] = (),
+    attn_impl: str = "auto",
+) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+    """Run T new tokens per row after each row's cached prefix.
+
+    Writes their K/V at `cache.lengths[b] + t` but leaves `lengths` unchanged: the
+    caller advances it (prefill, decode) or commits an accepted path (verify).
+    positions default to `lengths + t`; mask_BTT (query i sees new token j) defaults to
+    causal — a tree passes its ancestor mask and per-node positions instead.
+    Returns the final-normed hidden states [B, T, D], the captured hidden states
+    (one [B, T, D] per entry of `capture`) and the updated cache.
+    """
+    b, t = tokens_BT.shape
+    lengths_B = cache.lengths
+    if positions_BT is None:
+        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if mask_BTT is None:
+        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    h_BTD = params["embed"][tokens_BT]
+    captured_CBTD = jnp.zeros((len(capture), b, t, cfg.hidden_size), h_BTD.dtype)
+    capture_ids = jnp.asarray(capture, jnp.int32)
+
+    def body(carry, xs):
+        h, k_cache, v_cache, captured = carry
+        p, layer = xs
+        if capture:
+            captured = jnp.where((capture_ids == layer)[:, None, None, None], h[None], captured)
+        h, k_cache, v_cache = _layer(cfg, p, layer, h, k_cache, v_cache, lengths_B, positions_BT, mask_BTT,
+                                     inv_freq, attn_impl)
+        return (h, k_cache, v_cache, captured), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h_BTD, k, v, captured_CBTD), _ = lax.scan(
+        body, (h_BTD, cache.k, cache.v, captured_CBTD), (params["layers"], layer_ids)
+    )
+    if capture:
+        captured_CBTD = jnp.where((capture_ids == cfg.num_layers)[:, None, None, None], h_BTD[None], captured_CBTD)
+    out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
+    return out_BTD, tuple(captured_CBTD), KVCache(k, v, lengths_B)
+
+
+def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
+    """Logits in fp32 from final-normed hidden states (tied embeddings when the config says so)."""
+    w_DV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The expected shape of every parameter: the contract conversion and init check against."""
+    l, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {
+        "attn_norm": (l, d), "wq": (l, d, qd), "wk": (l, d, kvd), "wv": (l, d, kvd), "wo": (l, qd, d),
+        "mlp_norm": (l, d), "w_gate": (l, d, f), "w_up": (l, d, f), "w_down": (l, f, d),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": (l, qd), "bk": (l, kvd), "bv": (l, kvd)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (l, cfg.head_dim), "k_norm": (l, cfg.head_dim)}
+    shapes = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
+    """Random params (normal(0, scale) matrices, unit norms): for tests, benchmarks and training."""
+    dtype = jnp.dtype(cfg.dtype)
+    leaves, treedef = jax.tree.flatten(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        elif path.endswith("['bq']") or path.endswith("['bk']") or path.endswith("['bv']"):
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)

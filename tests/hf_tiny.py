@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face checkpoints of each supported family, built at test time.
+
+Weights are drawn with a spread wide enough that greedy argmax has clear margins, so
+token-for-token comparisons are not decided by float noise between implementations.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+
+FAMILIES = {
+    # Llama 3.x: llama3 rope scaling (small original context so the scaling bites), tied embeddings.
+    "llama": dict(cls="LlamaForCausalLM", tie_word_embeddings=True, rope_theta=500000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64)),
+    "qwen2": dict(cls="Qwen2ForCausalLM", tie_word_embeddings=False, rope_theta=1000000.0),
+    # Qwen3: head_dim independent of hidden_size / heads.
+    "qwen3": dict(cls="Qwen3ForCausalLM", tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0),
+    "mistral": dict(cls="MistralForCausalLM", tie_word_embeddings=False, sliding_window=None),
+}
+
+
+def build_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers
+
+    spec = {**BASE, **FAMILIES[family], **overrides}
+    cls = getattr(transformers, spec.pop("cls"))
+    config = cls.config_class(**spec)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def save_hf_model(model, path: Path, dtype=torch.float32, shard_size: str | None = None) -> Path:
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
