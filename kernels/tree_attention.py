@@ -1,0 +1,278 @@
+"""Pallas (Triton backend) tree-verification attention for GPU.
+
+One program per (batch row, kv head, block of packed query rows, KV split). The G query heads
+that share a kv head and the N new tokens are packed into the matrix M dimension (row
+m = n * G + g), so each K/V block is read once per kv head and feeds an [M, block_k] dot.
+Per row the KV loop runs only over blocks below lengths[b] + N (cost follows the real prefix,
+not max_len) and splits into two phases:
+  prefix blocks, entirely below lengths[b]: no masking at all;
+  tail blocks, the (at most `tail_blocks`) blocks holding lengths[b] .. lengths[b]+N-1:
+    K/V rows past lengths[b]+N are not loaded (masked load, zero fill) and scores use a
+    precomputed visibility mask (prefix | tree ancestor) laid out on that block-aligned window.
+With num_splits > 1 each program handles a contiguous share of the row's blocks and writes
+unnormalised partials (o, running max, running sum) that XLA merges (flash-decoding split-K),
+so a single long row still fills the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .reference import NEG_INF, check_inputs, visibility
+
+MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16.
+MAX_BLOCK_M = 64  # packed query rows per program; more rows -> more M blocks in the grid.
+DEFAULT_NUM_SMS = 132  # H100 / H200 SXM; only used to size the KV split.
+LOG2_E = math.log2(math.e)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Static tiling of one tree_attention call (all dims of every dot are >= 16, powers of 2)."""
+
+    block_m: int  # packed query rows (N * G, padded) per program
+    m_pad: int  # N * G rounded up to a multiple of block_m
+    block_k: int  # KV positions per loop step; divides max_len
+    tail_blocks: int  # most KV blocks that can hold one of the N new tokens
+    num_splits: int  # programs sharing one row's KV range (split-K)
+    num_warps: int
+    num_stages: int
+
+    @property
+    def num_m_blocks(self) -> int:
+        return self.m_pad // self.block_m
+
+    @property
+    def tail_width(self) -> int:
+        return self.tail_blocks * self.block_k
+
+
+def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len: int,
+                head_dim: int, block_k: int | None = None, num_splits: int | None = None,
+                num_sms: int = DEFAULT_NUM_SMS) -> BlockPlan:
+    """Choose block sizes for the GPU kernel (the interpret path uses the same plan).
+
+    block_k: requested KV block (power of 2, >= 16); it is lowered to the largest power of 2
+    that divides max_len, so max_len must be a multiple of 16. num_splits=None picks a split
+    that gives about two programs per SM while keeping >= 2 blocks per split at full length.
+    """
+    if not _is_pow2(head_dim) or head_dim < MIN_DOT_DIM:
+        raise ValueError(f"head_dim must be a power of 2 >= {MIN_DOT_DIM} (e.g. 64, 128); "
+                         f"got {head_dim}")
+    if max_len % MIN_DOT_DIM != 0:
+        raise ValueError(f"the cache length S={max_len} must be a multiple of {MIN_DOT_DIM} "
+                         "for the Pallas kernel; allocate the cache with a rounded-up max_len")
+    rows = num_new * group
+    if rows <= MAX_BLOCK_M:
+        block_m = max(MIN_DOT_DIM, _next_pow2(rows))
+        m_pad = block_m
+    else:
+        block_m = MAX_BLOCK_M
+        m_pad = -(-rows // block_m) * block_m
+    if block_k is None:
+        block_k = 128 if block_m <= 32 else 64
+    if not _is_pow2(block_k) or block_k < MIN_DOT_DIM:
+        raise ValueError(f"block_k must be a power of 2 >= {MIN_DOT_DIM}; got {block_k}")
+    while max_len % block_k != 0:
+        block_k //= 2
+    tail_blocks = -(-(num_new + block_k - 1) // block_k)
+    max_blocks = max_len // block_k
+    if num_splits is None:
+        programs = batch * kv_heads * (m_pad // block_m)
+        want = -(-2 * num_sms // programs)
+        num_splits = max(1, min(want, max_blocks // 2, 64))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+    return BlockPlan(block_m=block_m, m_pad=m_pad, block_k=block_k, tail_blocks=tail_blocks,
+                     num_splits=num_splits, num_warps=4, num_stages=2)
+
+
+def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref, *out_refs,
+                           scale_log2: float, num_new: int, block_k: int, num_splits: int):
+    """One (row b, kv head, M block, split): online softmax over this split's KV blocks.
+
+    Refs: lengths [B], layer [1], q [block_m, D], k/v [L, S, D] (row b, kv head already
+    selected by the BlockSpec; the layer is indexed here), vis int8 [block_m, tail_width].
+    """
+    b = pl.program_id(0)
+    split = pl.program_id(3)
+    length = lengths_ref[b]
+    layer = layer_ref[0]
+    block_m, head_dim = q_ref.shape
+
+    num_blocks = lax.div(length + num_new + block_k - 1, block_k)  # blocks to read
+    first_tail = lax.div(length, block_k)  # first block that is not entirely prefix
+    per_split = lax.div(num_blocks + num_splits - 1, num_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_blocks)
+
+    q = q_ref[...]  # [block_m, D]
+
+    def update(carry, k, v, visible):
+        o, m, l = carry
+        s = plgpu.dot(q, k, trans_b=True) * scale_log2  # [block_m, block_k] fp32, log2 domain
+        if visible is not None:
+            s = jnp.where(visible, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        return o_new, m_new, l_new
+
+    def prefix_body(kb, carry):
+        kv_slice = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        k = k_ref[layer, kv_slice, :]
+        v = v_ref[layer, kv_slice, :]
+        return update(carry, k, v, None)
+
+    def tail_body(kb, carry):
+        start = pl.multiple_of(kb * block_k, block_k)
+        kv_slice = pl.ds(start, block_k)
+        pos = start + jnp.arange(block_k, dtype=jnp.int32)
+        readable = jnp.broadcast_to((pos < length + num_new)[:, None], (block_k, head_dim))
+        k = plgpu.load(k_ref.at[layer, kv_slice, :], mask=readable, other=0.0)
+        v = plgpu.load(v_ref.at[layer, kv_slice, :], mask=readable, other=0.0)
+        vis_start = pl.multiple_of((kb - first_tail) * block_k, block_k)
+        visible = vis_ref[:, pl.ds(vis_start, block_k)] != 0
+        return update(carry, k, v, visible)
+
+    carry = (jnp.zeros((block_m, head_dim), jnp.float32),
+             jnp.full((block_m,), NEG_INF, jnp.float32),
+             jnp.zeros((block_m,), jnp.float32))
+    prefix_hi = jnp.maximum(lo, jnp.minimum(hi, first_tail))
+    carry = lax.fori_loop(lo, prefix_hi, prefix_body, carry)
+    tail_lo = jnp.maximum(lo, first_tail)
+    carry = lax.fori_loop(tail_lo, jnp.maximum(tail_lo, hi), tail_body, carry)
+    o, m, l = carry
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _window_visibility(lengths_B, mask_BNN, plan: BlockPlan, group: int):
+    """int8 [B, m_pad, tail_width]: visibility on the block-aligned window of each row's tail.
+
+    The window starts at block floor(lengths/block_k), exactly where the kernel's tail phase
+    starts; rows are the packed (n, g) query rows, padded rows see nothing.
+    """
+    batch, num_new, _ = mask_BNN.shape
+    lengths_B = lengths_B.astype(jnp.int32)
+    window_start_B = (lengths_B // plan.block_k) * plan.block_k
+    pos_BW = window_start_B[:, None] + jnp.arange(plan.tail_width, dtype=jnp.int32)[None]
+    vis_BNW = visibility(lengths_B, mask_BNN, pos_BW)
+    vis_BMW = jnp.broadcast_to(vis_BNW[:, :, None, :],
+                               (batch, num_new, group, plan.tail_width))
+    vis_BMW = vis_BMW.reshape(batch, num_new * group, plan.tail_width)
+    vis_BMW = jnp.pad(vis_BMW, ((0, 0), (0, plan.m_pad - num_new * group), (0, 0)))
+    return vis_BMW.astype(jnp.int8)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("sm_scale", "block_k", "interpret", "num_splits"))
+def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None, layer=None,
+                   block_k=None, interpret=False, num_splits=None):
+    """Tree-verification attention with the Pallas Triton kernel; same result as the reference.
+
+    q [B, N, Hq, D]; k/v [B, S, Hkv, D] or the stacked [L, B, S, Hkv, D] with `layer` (int32
+    scalar, may be traced): the kernel indexes the layer itself, no slice of the cache is made.
+    lengths int32 [B]; mask bool [B, N, N]. Returns [B, N, Hq, D] in q's dtype.
+    S must be a multiple of 16; block_k (default 128 or 64) shrinks to a power of 2 dividing S.
+    """
+    check_inputs(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, layer)
+    if k_BSKD.ndim == 4:  # one layer: view it as a stack of one (a bitcast, no copy)
+        k_LBSKD, v_LBSKD, layer = k_BSKD[None], v_BSKD[None], 0
+    else:
+        k_LBSKD, v_LBSKD = k_BSKD, v_BSKD
+    num_layers, batch, max_len, kv_heads, head_dim = k_LBSKD.shape
+    _, num_new, q_heads, _ = q_BNHD.shape
+    group = q_heads // kv_heads
+    plan = plan_blocks(batch=batch, num_new=num_new, group=group, kv_heads=kv_heads,
+                       max_len=max_len, head_dim=head_dim, block_k=block_k,
+                       num_splits=num_splits)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    rows = num_new * group
+
+    # Pack queries: [B, N, Hkv, G, D] -> [B, Hkv, N*G, D], rows padded with zeros to m_pad.
+    q_BKMD = q_BNHD.reshape(batch, num_new, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_BKMD = q_BKMD.reshape(batch, kv_heads, rows, head_dim)
+    q_BKMD = jnp.pad(q_BKMD, ((0, 0), (0, 0), (0, plan.m_pad - rows), (0, 0)))
+    vis_BMW = _window_visibility(lengths_B, mask_BNN, plan, group)
+    lengths_B = lengths_B.astype(jnp.int32)
+    layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    bm, splits = plan.block_m, plan.num_splits
+    grid = (batch, kv_heads, plan.num_m_blocks, splits)
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, i, s: (0,)),  # lengths
+        pl.BlockSpec((1,), lambda b, h, i, s: (0,)),  # layer
+        pl.BlockSpec((None, None, bm, head_dim), lambda b, h, i, s: (b, h, i, 0)),  # q
+        pl.BlockSpec((num_layers, None, max_len, None, head_dim),
+                     lambda b, h, i, s: (0, b, 0, h, 0)),  # k
+        pl.BlockSpec((num_layers, None, max_len, None, head_dim),
+                     lambda b, h, i, s: (0, b, 0, h, 0)),  # v
+        pl.BlockSpec((None, bm, plan.tail_width), lambda b, h, i, s: (b, i, 0)),  # visibility
+    ]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, plan.m_pad, head_dim), q_BNHD.dtype)]
+        out_specs = [pl.BlockSpec((None, None, bm, head_dim), lambda b, h, i, s: (b, h, i, 0))]
+    else:
+        part = (splits, batch, kv_heads, plan.m_pad)
+        out_shape = [jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, None, None, bm, head_dim), lambda b, h, i, s: (s, b, h, i, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, i, s: (s, b, h, i)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, i, s: (s, b, h, i)),
+        ]
+    kernel = functools.partial(_tree_attention_kernel, scale_log2=scale * LOG2_E,
+                               num_new=num_new, block_k=plan.block_k, num_splits=splits)
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                             num_stages=plan.num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths_B, layer_1, q_BKMD, k_LBSKD, v_LBSKD, vis_BMW)
+
+    if splits == 1:
+        out_BKMD = outs[0]
+    else:  # merge the split partials (flash-decoding): rescale to the common max, then sum
+        o_PBKMD, m_PBKM, l_PBKM = outs
+        m_BKM = jnp.max(m_PBKM, axis=0)
+        w_PBKM = jnp.exp2(m_PBKM - m_BKM[None])
+        l_BKM = jnp.sum(w_PBKM * l_PBKM, axis=0)
+        o_BKMD = jnp.sum(w_PBKM[..., None] * o_PBKMD, axis=0)
+        out_BKMD = (o_BKMD / jnp.where(l_BKM > 0, l_BKM, 1.0)[..., None]).astype(q_BNHD.dtype)
+
+    out_BKMD = out_BKMD[:, :, :rows].reshape(batch, kv_heads, num_new, group, head_dim)
+    return out_BKMD.transpose(0, 2, 1, 3, 4).reshape(batch, num_new, q_heads, head_dim)
