@@ -1,0 +1,82 @@
+"""The one interface every drafter family implements, and the context the loop hands it.
+
+A drafter is a frozen dataclass: its fields are static configuration (hashable, part of
+the compiled loop's key) except `params`, which is excluded from hashing and passed to
+the jitted loop as an ordinary argument. `configure` fixes the per-call settings (tree
+shape, sampling, cache length) before compilation.
+
+Inside the jitted loop, each round calls
+    draft, state = propose(params, state, root_B, key)
+    ... target verifies ...
+    state = update(params, state, draft, verdict, features)
+where `features` are the target hidden states the drafter asked for (`feature_layers`,
+Hugging Face numbering, see models/decoder.py) at every draft node, [B, N, D] each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from ..config import SamplingConfig
+from ..tree import TreeSpec
+from ..verify import Draft, Verdict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillContext:
+    """What the target's prefill gives a drafter's `init`."""
+
+    prompt: jax.Array  # int32 [B, T] right-padded prompts
+    prompt_len: jax.Array  # int32 [B]
+    root: jax.Array  # int32 [B]: the target's first generated token
+    features: tuple[jax.Array, ...]  # [B, T, D] per feature layer, over the prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Per-call static settings every drafter needs."""
+
+    tree: TreeSpec
+    sampling: SamplingConfig
+    cache_len: int
+    max_new_tokens: int  # output bucket: an upper bound on tokens one row can emit
+
+
+class Drafter(Protocol):
+    name: str
+    params: Any
+    settings: Settings | None
+    feature_layers: tuple[int, ...]
+
+    def configure(self, settings: Settings) -> "Drafter": ...
+
+    def calls_per_round(self) -> int:
+        """Drafter forward passes per round (for the drafter_calls statistic)."""
+        ...
+
+    def init(self, params, ctx: PrefillContext) -> Any: ...
+
+    def propose(self, params, state, root_B: jax.Array, key: jax.Array) -> tuple[Draft, Any]:
+        """A draft rooted at root_B, and the state after drafting (a draft model's cache holds its guesses)."""
+        ...
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features: tuple[jax.Array, ...]) -> Any: ...
+
+
+def accepted_tokens(draft: Draft, verdict: Verdict) -> jax.Array:
+    """int32 [B, N]: the tokens this round adds to the sequence, in order: accepted drafts then the bonus.
+
+    Valid for i < num_accepted (entries past it are 0). Node 0 (the root) is not repeated:
+    it was emitted by the previous round.
+    """
+    n = draft.tokens.shape[1]
+    path_tokens_BN = jnp.take_along_axis(draft.tokens, verdict.path, axis=1)
+    after_root_BN = jnp.concatenate([path_tokens_BN[:, 1:], jnp.zeros_like(path_tokens_BN[:, :1])], axis=1)
+    i = jnp.arange(n)[None, :]
+    last = (verdict.num_accepted - 1)[:, None]
+    return jnp.where(i < last, after_root_BN, jnp.where(i == last, verdict.bonus[:, None], 0)).astype(jnp.int32)

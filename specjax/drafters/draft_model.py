@@ -1,0 +1,129 @@
+"""An independent small language model sharing the target's tokenizer, with its own KV cache.
+
+The draft cache mirrors the target's layout: draft node i sits at `lengths + i`, and after
+verification it is committed along the same accepted path. Each round re-feeds the last
+committed token together with the root ([prev, root] at positions L-1, L), so a draft
+token the drafter produced but never ran (the last of a fully accepted chain, a tree
+leaf) gets its K/V written before it is needed. Chains draft one token per step;
+static trees take each node's top-k children, one full-tree pass per depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..cache import KVCache, commit, init_cache
+from ..config import ModelConfig
+from ..models.decoder import forward, lm_head
+from ..sampling import sampling_logprobs
+from ..tree import ancestor_mask, child_ranks, depths, spec_arrays
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter:
+    cfg: ModelConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    settings: Settings | None = None
+    attn_impl: str = "auto"
+    name: str = "draft_model"
+    feature_layers: tuple[int, ...] = ()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def configure(self, settings: Settings) -> "DraftModelDrafter":
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        tree = self.settings.tree
+        return tree.num_nodes - 1 if tree.is_chain else tree.max_depth
+
+    def init(self, params, ctx: PrefillContext):
+        b = ctx.prompt.shape[0]
+        cache = init_cache(self.cfg, b, self.settings.cache_len)
+        _, _, cache = forward(params, self.cfg, ctx.prompt, cache, attn_impl=self.attn_impl)
+        prev_B = jnp.take_along_axis(ctx.prompt, (ctx.prompt_len - 1)[:, None], axis=1)[:, 0]
+        return KVCache(cache.k, cache.v, ctx.prompt_len), prev_B
+
+    def _choose(self, key, logits_BV):
+        """Next draft token and, when sampling, the distribution it was drawn from."""
+        if self.settings.sampling.greedy:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
+        return jax.random.categorical(key, logp_BV, axis=-1).astype(jnp.int32), jnp.exp(logp_BV)
+
+    def propose(self, params, state, root_B, key):
+        if self.settings.tree.is_chain:
+            return self._propose_chain(params, state, root_B, key)
+        return self._propose_tree(params, state, root_B)
+
+    def _propose_chain(self, params, state, root_B, key):
+        cache, prev_B = state
+        length_B = cache.lengths
+        k = self.settings.tree.num_nodes - 1
+        keys = jax.random.split(key, k)
+        step_cache = KVCache(cache.k, cache.v, length_B - 1)
+        h_B2D, _, step_cache = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1), step_cache,
+                                       attn_impl=self.attn_impl)
+        tok_B, q_BV = self._choose(keys[0], lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0])
+
+        def step(carry, xs):
+            kc, vc, tok_B = carry
+            i, step_key = xs
+            h_B1D, _, c = forward(params, self.cfg, tok_B[:, None], KVCache(kc, vc, length_B + i),
+                                  attn_impl=self.attn_impl)
+            nxt_B, q_BV = self._choose(step_key, lm_head(params, self.cfg, h_B1D)[:, 0])
+            return (c.k, c.v, nxt_B), (nxt_B, q_BV)
+
+        (kc, vc, _), (rest_KB, rest_q) = lax.scan(step, (step_cache.k, step_cache.v, tok_B),
+                                                  (jnp.arange(1, k, dtype=jnp.int32), keys[1:]))
+        tokens_BN = jnp.concatenate([root_B[:, None], tok_B[:, None], rest_KB.T], axis=1)
+        q = None
+        if q_BV is not None:
+            q = jnp.concatenate([jnp.zeros_like(q_BV)[:, None], q_BV[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
+        b = root_B.shape[0]
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        return draft, (KVCache(kc, vc, length_B), prev_B)
+
+    def _propose_tree(self, params, state, root_B):
+        """Deterministic top-k tree: node i takes the rank_i-th best token after its parent."""
+        cache, prev_B = state
+        tree = self.settings.tree
+        b, n = root_B.shape[0], tree.num_nodes
+        # Run [prev, tree nodes]: prev (position L-1) is every node's ancestor, node i lands at L + i.
+        ext_parents_BT = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), spec_arrays(tree, b) + 1], axis=1)
+        ext_parents_BT = ext_parents_BT.at[:, 1].set(0)
+        mask_BTT = ancestor_mask(ext_parents_BT)
+        positions_BT = (cache.lengths - 1)[:, None] + depths(mask_BTT)
+        parent_idx = jnp.asarray([max(p, 0) + 1 for p in tree.parents], jnp.int32)  # parent's row in [prev, nodes]
+        ranks = jnp.asarray(child_ranks(tree), jnp.int32)
+        width = max(child_ranks(tree)) + 1
+        node_depth = tree.depths
+        tokens_BN = jnp.broadcast_to(root_B[:, None], (b, n))
+        for d in range(1, tree.max_depth + 1):
+            step_cache = KVCache(cache.k, cache.v, cache.lengths - 1)
+            ext_BT = jnp.concatenate([prev_B[:, None], tokens_BN], axis=1)
+            h_BTD, _, step_cache = forward(params, self.cfg, ext_BT, step_cache, positions_BT=positions_BT,
+                                           mask_BTT=mask_BTT, attn_impl=self.attn_impl)
+            top_BTW = lax.top_k(lm_head(params, self.cfg, h_BTD), width)[1].astype(jnp.int32)
+            cand_BN = top_BTW[:, parent_idx, ranks]
+            at_depth = jnp.asarray([x == d for x in node_depth])
+            tokens_BN = jnp.where(at_depth[None, :], cand_BN, tokens_BN)
+            cache = KVCache(step_cache.k, step_cache.v, cache.lengths)
+        draft = Draft(tokens_BN, spec_arrays(tree, b), jnp.ones((b, n), jnp.bool_))
+        return draft, (cache, prev_B)
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        cache, prev_B = state
+        last_node_B = jnp.take_along_axis(verdict.path, jnp.maximum(verdict.num_accepted - 1, 0)[:, None], axis=1)
+        last_tok_B = jnp.take_along_axis(draft.tokens, last_node_B, axis=1)[:, 0]
+        prev_B = jnp.where(verdict.num_accepted > 0, last_tok_B, prev_B)
+        return commit(cache, verdict.path, verdict.num_accepted), prev_B

@@ -1,0 +1,82 @@
+"""Model-free n-gram drafting (prompt lookup) over the prompt and the output so far.
+
+The last n tokens (ending with the root) are looked up in the row's history; the
+most recent earlier occurrence's continuation becomes a chain of drafts. The longest
+n in [min_n, max_n] with a match wins. Rows with no match propose no valid drafts.
+History is a fixed-shape buffer, so all of it runs under jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    min_n: int = 1
+    max_n: int = 3
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    settings: Settings | None = None
+    name: str = "ngram"
+    feature_layers: tuple[int, ...] = ()
+    vocab_size: None = None
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"ngram needs 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+
+    def configure(self, settings: Settings) -> "NgramDrafter":
+        if not settings.tree.is_chain:
+            raise ValueError("the ngram drafter proposes chains only; pass num_draft_tokens=K, not a tree")
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return 0
+
+    def init(self, params, ctx: PrefillContext):
+        b, t = ctx.prompt.shape
+        hist_BH = jnp.zeros((b, t + self.settings.max_new_tokens + self.settings.tree.num_nodes), jnp.int32)
+        hist_BH = hist_BH.at[:, :t].set(ctx.prompt)
+        return hist_BH, ctx.prompt_len
+
+    def propose(self, params, state, root_B, key):
+        hist_BH, len_B = state
+        b, h = hist_BH.shape
+        k = self.settings.tree.num_nodes - 1
+        rows = jnp.arange(b)
+        seq_BH = hist_BH.at[rows, len_B].set(root_B, mode="drop")
+        seq_len_B = len_B + 1
+        pos_H = jnp.arange(h)
+        best_end_B = jnp.full((b,), -1, jnp.int32)
+        for n in range(self.min_n, self.max_n + 1):  # longer n overrides shorter
+            match_BH = (pos_H[None, :] >= n - 1) & (pos_H[None, :] < (seq_len_B - 1)[:, None])
+            for o in range(n):
+                suffix_tok_B = seq_BH[rows, seq_len_B - 1 - o]
+                match_BH &= jnp.roll(seq_BH, o, axis=1) == suffix_tok_B[:, None]
+            found_B = jnp.any(match_BH, axis=-1) & (seq_len_B > n)
+            end_B = jnp.max(jnp.where(match_BH, pos_H[None, :], -1), axis=-1).astype(jnp.int32)
+            best_end_B = jnp.where(found_B, end_B, best_end_B)
+        follow_BK = best_end_B[:, None] + 1 + jnp.arange(k)[None, :]
+        valid_BK = (best_end_B[:, None] >= 0) & (follow_BK < seq_len_B[:, None])
+        drafts_BK = jnp.take_along_axis(seq_BH, jnp.clip(follow_BK, 0, h - 1), axis=1)
+        tokens_BN = jnp.concatenate([root_B[:, None], jnp.where(valid_BK, drafts_BK, 0)], axis=1)
+        valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), valid_BK], axis=1)
+        parents_BN = jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, k + 1))
+        return Draft(tokens_BN, parents_BN, valid_BN), state
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        """Append the committed tokens (root + accepted drafts) to the history."""
+        hist_BH, len_B = state
+        b, n = verdict.path.shape
+        kept_BN = jnp.take_along_axis(draft.tokens, verdict.path, axis=1)
+        i_N = jnp.arange(n)
+        dst_BN = jnp.where(i_N[None, :] < verdict.num_accepted[:, None], len_B[:, None] + i_N[None, :], hist_BH.shape[1])
+        hist_BH = hist_BH.at[jnp.arange(b)[:, None], dst_BN].set(kept_BN, mode="drop")
+        return hist_BH, len_B + verdict.num_accepted

@@ -1,0 +1,144 @@
+"""The speculative loop: one jit around a `lax.while_loop` over rounds.
+
+Each round: the drafter proposes a fixed-shape tree rooted at the last chosen token;
+the target runs all N nodes in one forward pass (tree positions, ancestor mask); the
+verifier picks the accepted path and a bonus token; the row emits them (cut at EOS or
+its token budget, exactly where plain decoding would stop), the cache keeps the path,
+and the drafter updates its state. Shapes never depend on acceptance.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .cache import commit, init_cache
+from .config import SamplingConfig
+from .decode import LoopConfig, is_eos, prefill
+from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
+from .generate import (GenerateOutput, _check_lengths, _prompt_ids, bucket, decode_texts, eos_ids, pad_batch,
+                       run_compiled, trim)
+from .models.decoder import forward, lm_head
+from .sampling import choose_token
+from .target import Target
+from .tree import ancestor_mask, depths, parse_tree
+from .verify import Verdict, verify
+
+
+@partial(jax.jit, static_argnames=("lc", "drafter"))
+def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
+                  key: jax.Array, *, lc: LoopConfig, drafter: Drafter):
+    """Speculative decoding of up to max_new_B[b] tokens per row.
+
+    Returns (tokens [B, out_len], counts [B], rounds, active_rounds [B], accepted_drafts [B],
+    accepted_at_depth [max_depth]).
+    """
+    b = prompt_BT.shape[0]
+    n = drafter.settings.tree.num_nodes
+    max_depth = drafter.settings.tree.max_depth
+    features = drafter.feature_layers
+    key, sub = jax.random.split(key)
+    cache = init_cache(lc.model, b, lc.cache_len)
+    logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=features)
+    root_B = choose_token(sub, logits_BV, lc.sampling)
+    dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
+    out_BO = jnp.zeros((b, lc.out_len), jnp.int32).at[:, 0].set(root_B)
+    count_B = jnp.minimum(max_new_B, 1)
+    done_B = (count_B >= max_new_B) | is_eos(root_B, lc.eos_ids)
+    zeros_B = jnp.zeros((b,), jnp.int32)
+    stats = (zeros_B, zeros_B, jnp.zeros((max_depth,), jnp.int32))
+
+    def cond(state):
+        step, _, _, _, _, done_B, _, _, _ = state
+        return (step < lc.out_len) & ~jnp.all(done_B)
+
+    def body(state):
+        step, cache, root_B, out_BO, count_B, done_B, dstate, key, (rounds_B, accepted_B, at_depth_D) = state
+        key, k_draft, k_verify = jax.random.split(key, 3)
+        draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft)
+        mask_BNN = ancestor_mask(draft.parents)
+        positions_BN = cache.lengths[:, None] + depths(mask_BNN)
+        h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
+                                              mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
+        verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, k_verify)
+        active_B = ~done_B
+        num_kept_B = jnp.where(active_B, verdict.num_accepted, 0)
+        verdict = Verdict(verdict.path, num_kept_B, verdict.bonus)
+
+        # Emit accepted drafts + bonus, cut after the first EOS and at the row's budget.
+        new_BN = accepted_tokens(draft, verdict)
+        i_N = jnp.arange(n)
+        eos_BN = is_eos(new_BN, lc.eos_ids) & (i_N[None, :] < num_kept_B[:, None])
+        has_eos_B = jnp.any(eos_BN, axis=-1)
+        emit_B = jnp.where(has_eos_B, jnp.argmax(eos_BN, axis=-1) + 1, num_kept_B)
+        emit_B = jnp.minimum(emit_B, max_new_B - count_B)
+        dst_BN = jnp.where(i_N[None, :] < emit_B[:, None], count_B[:, None] + i_N[None, :], lc.out_len)
+        out_BO = out_BO.at[jnp.arange(b)[:, None], dst_BN].set(new_BN, mode="drop")
+        count_B = count_B + emit_B
+        done_B = done_B | has_eos_B | (count_B >= max_new_B)
+
+        cache = commit(cache, verdict.path, num_kept_B)
+        root_B = jnp.where(active_B, verdict.bonus, root_B)
+        dstate = drafter.update(draft_params, dstate, draft, verdict, node_features)
+        drafts_B = jnp.maximum(num_kept_B - 1, 0)
+        at_depth_D = at_depth_D + jnp.sum(drafts_B[:, None] > jnp.arange(max_depth)[None, :], axis=0)
+        stats = (rounds_B + active_B, accepted_B + drafts_B, at_depth_D)
+        return step + 1, cache, root_B, out_BO, count_B, done_B, dstate, key, stats
+
+    state = (jnp.int32(0), cache, root_B, out_BO, count_B, done_B, dstate, key, stats)
+    steps, _, _, out_BO, count_B, _, _, _, (rounds_B, accepted_B, at_depth_D) = lax.while_loop(cond, body, state)
+    return out_BO, count_B, steps, rounds_B, accepted_B, at_depth_D
+
+
+def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
+                         temperature: float, top_k: int, top_p: float, seed: int, num_draft_tokens: int | None,
+                         tree, eos_token_id, max_len: int | None) -> GenerateOutput:
+    """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics."""
+    sampling = SamplingConfig(temperature, top_k, top_p).validate()
+    spec = parse_tree(tree, num_draft_tokens)
+    check_drafter_fits(drafter, target)
+    ids = _prompt_ids(target, prompts)
+    cache_len = _check_lengths(target, ids, max_new_tokens, max_len, extra=spec.num_nodes)
+    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
+    out_len = bucket(max_new_tokens)
+    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), out_len, cache_len, target.attn_impl)
+    configured = drafter.configure(Settings(spec, sampling, cache_len, out_len))
+    args = (target.params, configured.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B),
+            jnp.asarray(max_new_B), jax.random.key(seed))
+    result, compile_s, run_s = run_compiled(target, ("spec", lc, configured, prompt_BT.shape), spec_generate, args,
+                                            {"lc": lc, "drafter": configured})
+    out_BO, count_B, steps, rounds_B, accepted_B, at_depth_D = (np.asarray(x) for x in result)
+    tokens = trim(out_BO, count_B, len(ids))
+    n_tokens = sum(len(t) for t in tokens)
+    rounds = int(rounds_B.sum())
+    stats = {
+        "tokens_per_s": n_tokens / run_s,
+        "compile_s": compile_s,
+        "decode_s": run_s,
+        "rounds": int(steps),
+        "generated_tokens": n_tokens,
+        "acceptance_length": 1.0 + float(accepted_B.sum()) / max(rounds, 1),
+        "per_position_acceptance": (at_depth_D / max(rounds, 1)).tolist(),
+        "drafter_calls": int(steps) * configured.calls_per_round(),
+        "tree_nodes": spec.num_nodes,
+        "batch_bucket": prompt_BT.shape[0],
+        "cache_len": cache_len,
+    }
+    return GenerateOutput(tokens, stats, decode_texts(target, tokens))
+
+
+def check_drafter_fits(drafter: Drafter, target: Target) -> None:
+    vocab = getattr(drafter, "vocab_size", None)
+    if vocab is not None and vocab != target.cfg.vocab_size:
+        raise ValueError(f"drafter '{drafter.name}' has a vocabulary of {vocab} tokens but the target has "
+                         f"{target.cfg.vocab_size}; a drafter must share the target's tokenizer")
+    bad = [i for i in drafter.feature_layers if not 0 <= i <= target.cfg.num_layers]
+    if bad:
+        raise ValueError(f"drafter '{drafter.name}' asks for target hidden states {bad}, but the target has "
+                         f"{target.cfg.num_layers} layers (valid: 0..{target.cfg.num_layers})")
+
