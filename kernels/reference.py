@@ -104,8 +104,10 @@ def tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_
     readable_BS = pos_BS < (lengths_B.astype(jnp.int32) + num_new)[:, None]
     v_BSKD = jnp.where(readable_BS[:, :, None, None], v_BSKD, jnp.zeros((), v_BSKD.dtype))
 
+    # fp32 inputs get true fp32 matmuls (GPUs would otherwise use TF32); bf16 is unaffected.
+    precision = lax.Precision.HIGHEST if q_BNHD.dtype == jnp.float32 else None
     q_BNKGD = q_BNHD.reshape(batch, num_new, kv_heads, group, head_dim)
-    logits_BNKGS = jnp.einsum("bnkgd,bskd->bnkgs", q_BNKGD, k_BSKD,
+    logits_BNKGS = jnp.einsum("bnkgd,bskd->bnkgs", q_BNKGD, k_BSKD, precision=precision,
                               preferred_element_type=jnp.float32) * scale
     visible_BN11S = visible_BNS[:, :, None, None, :]
     logits_BNKGS = jnp.where(visible_BN11S, logits_BNKGS, NEG_INF)
@@ -113,6 +115,6 @@ def tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_
     probs_BNKGS = jnp.where(visible_BN11S, jnp.exp(logits_BNKGS - max_BNKG1), 0.0)
     denom_BNKG1 = jnp.sum(probs_BNKGS, axis=-1, keepdims=True)
     out_BNKGD = jnp.einsum("bnkgs,bskd->bnkgd", probs_BNKGS.astype(v_BSKD.dtype), v_BSKD,
-                           preferred_element_type=jnp.float32)
+                           precision=precision, preferred_element_type=jnp.float32)
     out_BNKGD = out_BNKGD / jnp.where(denom_BNKG1 > 0, denom_BNKG1, 1.0)
     return out_BNKGD.reshape(batch, num_new, q_heads, head_dim).astype(q_BNHD.dtype)

@@ -1,6 +1,6 @@
 """Pallas (Triton backend) tree-verification attention for GPU.
 
-One program per (batch row, kv head, block of packed query rows, KV split). The G query heads
+One program per (block of packed query rows, KV split, batch row, kv head). The G query heads
 that share a kv head and the N new tokens are packed into the matrix M dimension (row
 m = n * G + g), so each K/V block is read once per kv head and feeds an [M, block_k] dot.
 Per row the KV loop runs only over blocks below lengths[b] + N (cost follows the real prefix,
@@ -105,13 +105,13 @@ def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len:
 
 def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref, *out_refs,
                            scale_log2: float, num_new: int, block_k: int, num_splits: int):
-    """One (row b, kv head, M block, split): online softmax over this split's KV blocks.
+    """One (M block, split, row b, kv head): online softmax over this split's KV blocks.
 
     Refs: lengths [B], layer [1], q [block_m, D], k/v [L, S, D] (row b, kv head already
     selected by the BlockSpec; the layer is indexed here), vis int8 [block_m, tail_width].
     """
-    b = pl.program_id(0)
-    split = pl.program_id(3)
+    split = pl.program_id(1)
+    b = pl.program_id(2)
     length = lengths_ref[b]
     layer = layer_ref[0]
     block_m, head_dim = q_ref.shape
@@ -202,6 +202,7 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
     scalar, may be traced): the kernel indexes the layer itself, no slice of the cache is made.
     lengths int32 [B]; mask bool [B, N, N]. Returns [B, N, Hq, D] in q's dtype.
     S must be a multiple of 16; block_k (default 128 or 64) shrinks to a power of 2 dividing S.
+    num_splits: programs per row's KV range (None: sized to fill the GPU; see plan_blocks).
     """
     check_inputs(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, layer)
     if k_BSKD.ndim == 4:  # one layer: view it as a stack of one (a bitcast, no copy)
@@ -226,29 +227,31 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
     layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
 
     bm, splits = plan.block_m, plan.num_splits
-    grid = (batch, kv_heads, plan.num_m_blocks, splits)
+    # M blocks and splits vary fastest in launch order, so the programs that share one
+    # (row, kv head) run together and re-read its K/V blocks from L2 rather than HBM.
+    grid = (plan.num_m_blocks, splits, batch, kv_heads)
     in_specs = [
-        pl.BlockSpec((batch,), lambda b, h, i, s: (0,)),  # lengths
-        pl.BlockSpec((1,), lambda b, h, i, s: (0,)),  # layer
-        pl.BlockSpec((None, None, bm, head_dim), lambda b, h, i, s: (b, h, i, 0)),  # q
+        pl.BlockSpec((batch,), lambda i, s, b, h: (0,)),  # lengths
+        pl.BlockSpec((1,), lambda i, s, b, h: (0,)),  # layer
+        pl.BlockSpec((None, None, bm, head_dim), lambda i, s, b, h: (b, h, i, 0)),  # q
         pl.BlockSpec((num_layers, None, max_len, None, head_dim),
-                     lambda b, h, i, s: (0, b, 0, h, 0)),  # k
+                     lambda i, s, b, h: (0, b, 0, h, 0)),  # k
         pl.BlockSpec((num_layers, None, max_len, None, head_dim),
-                     lambda b, h, i, s: (0, b, 0, h, 0)),  # v
-        pl.BlockSpec((None, bm, plan.tail_width), lambda b, h, i, s: (b, i, 0)),  # visibility
+                     lambda i, s, b, h: (0, b, 0, h, 0)),  # v
+        pl.BlockSpec((None, bm, plan.tail_width), lambda i, s, b, h: (b, i, 0)),  # visibility
     ]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, plan.m_pad, head_dim), q_BNHD.dtype)]
-        out_specs = [pl.BlockSpec((None, None, bm, head_dim), lambda b, h, i, s: (b, h, i, 0))]
+        out_specs = [pl.BlockSpec((None, None, bm, head_dim), lambda i, s, b, h: (b, h, i, 0))]
     else:
         part = (splits, batch, kv_heads, plan.m_pad)
         out_shape = [jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
         out_specs = [
-            pl.BlockSpec((None, None, None, bm, head_dim), lambda b, h, i, s: (s, b, h, i, 0)),
-            pl.BlockSpec((None, None, None, bm), lambda b, h, i, s: (s, b, h, i)),
-            pl.BlockSpec((None, None, None, bm), lambda b, h, i, s: (s, b, h, i)),
+            pl.BlockSpec((None, None, None, bm, head_dim), lambda i, s, b, h: (s, b, h, i, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda i, s, b, h: (s, b, h, i)),
+            pl.BlockSpec((None, None, None, bm), lambda i, s, b, h: (s, b, h, i)),
         ]
     kernel = functools.partial(_tree_attention_kernel, scale_log2=scale * LOG2_E,
                                num_new=num_new, block_k=plan.block_k, num_splits=splits)

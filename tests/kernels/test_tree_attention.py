@@ -1,7 +1,8 @@
 """Tree-verification attention: Pallas kernel (interpret mode) vs XLA reference vs numpy.
 
-Run with JAX_PLATFORMS=cpu. Every cache position past lengths[b] + N is poisoned with NaN
-(and, for the stacked cache, every other layer is all NaN), so a wrong read shows up as NaN.
+Run with JAX_PLATFORMS=cpu (interpret mode), or on a GPU to test the compiled kernel.
+Every cache position past lengths[b] + N is poisoned with NaN (and, for the stacked cache,
+every other layer is all NaN), so a wrong read shows up as NaN.
 Interpret mode also fills pallas outputs with NaN before the kernel runs, so an output
 element the kernel forgets to write is NaN too; every test asserts the result is finite.
 """
@@ -17,6 +18,9 @@ import pytest
 from jax import lax
 
 from specjax.kernels import attention, plan_blocks, tree_attention, tree_attention_reference
+
+# On a GPU machine the same tests run the compiled Triton kernel; elsewhere interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
 
 # Tolerances against the XLA reference, per dtype. fp32: both sides accumulate in fp32
 # (exp2 vs exp and online vs global max differ in the last bits). bf16: the output is
@@ -160,7 +164,7 @@ def test_kernel_matches_reference(batch, num_new, q_heads, kv_heads, head_dim, m
         **layer_kw)
     layer_arg = None if layer is None else jnp.int32(layer)
     out = tree_attention(q, k, v, lengths, mask, layer=layer_arg, block_k=block_k,
-                         num_splits=num_splits, interpret=True)
+                         num_splits=num_splits, interpret=INTERPRET)
     ref = tree_attention_reference(q, k, v, lengths, mask, layer=layer_arg)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert np.isfinite(np.asarray(ref.astype(jnp.float32))).all()
@@ -173,8 +177,8 @@ def test_kernel_custom_scale_and_isolated_row():
         7, batch=2, num_new=4, q_heads=4, kv_heads=2, head_dim=64, max_len=32,
         lengths=[0, 10], dtype=jnp.float32)
     mask = mask.at[0, 2, :].set(False)
-    out = tree_attention(q, k, v, lengths, mask, sm_scale=0.05, interpret=True, block_k=16,
-                         num_splits=2)
+    out = tree_attention(q, k, v, lengths, mask, sm_scale=0.05, interpret=INTERPRET,
+                         block_k=16, num_splits=2)
     ref = tree_attention_reference(q, k, v, lengths, mask, sm_scale=0.05)
     assert_close(out, ref, jnp.float32)
     np.testing.assert_array_equal(np.asarray(out[0, 2]), 0.0)
@@ -195,7 +199,7 @@ def test_kernel_layer_traced_inside_scan():
             return cache, fn(q, k_c, v_c, lengths, mask, layer=layer)
         return lax.scan(body, (k, v), jnp.arange(num_layers, dtype=jnp.int32))[1]
 
-    out = jax.jit(lambda: run(lambda *a, **kw: tree_attention(*a, **kw, interpret=True)))()
+    out = jax.jit(lambda: run(lambda *a, **kw: tree_attention(*a, **kw, interpret=INTERPRET)))()
     ref = jax.jit(lambda: run(tree_attention_reference))()
     assert_close(out, ref, jnp.float32)
     for layer in range(num_layers):
@@ -216,7 +220,7 @@ def test_kernel_reads_layer_without_slicing_the_cache():
         4, batch=2, num_new=2, q_heads=4, kv_heads=2, head_dim=64, max_len=32,
         lengths=[3, 30], dtype=jnp.float32, num_layers=3, layer=0)
     jaxpr = jax.make_jaxpr(lambda layer: tree_attention(
-        q, k, v, lengths, mask, layer=layer, interpret=True))(jnp.int32(0)).jaxpr
+        q, k, v, lengths, mask, layer=layer, interpret=INTERPRET))(jnp.int32(0)).jaxpr
     for eqn in _top_level_primitives(jaxpr):
         if eqn.primitive.name == "pallas_call":
             continue
