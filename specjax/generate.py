@@ -48,7 +48,8 @@ def _check_lengths(target: Target, ids: list[list[int]], max_new_tokens: int, ma
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     longest = max(len(r) for r in ids)
-    cache_len = bucket(longest) + bucket(max_new_tokens) + extra
+    # A multiple of 128: one length for nearby sizes, and whole KV blocks for the Pallas kernel.
+    cache_len = -(-(bucket(longest) + bucket(max_new_tokens) + extra) // 128) * 128
     if max_len is not None:
         if longest + max_new_tokens + extra > max_len:
             raise ValueError(f"the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens}"
