@@ -236,3 +236,19 @@ def test_sliding_window_that_matters_is_refused(mistral_window_target):
 def test_sliding_window_that_does_not_matter_is_accepted(mistral_window_target):
     out = specjax.generate(mistral_window_target, [[3] * 20], max_new_tokens=12, eos_token_id=[])
     assert len(out.tokens[0]) == 12
+
+
+# ---------------------------------------------------------------- benchmark presets
+
+
+def test_gpu_benchmark_preset_is_refused_off_gpu():
+    import jax
+
+    from specjax.bench_ar import ArBenchConfig, run_ar
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("runs on a GPU here")
+    with pytest.raises(ValueError, match=r"8b preset needs a GPU.*backend is 'cpu'.*tiny20m"):
+        run_ar(ArBenchConfig(preset="8b", batches=(1,)))
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'"):
+        ArBenchConfig(preset="huge").validate()
