@@ -176,3 +176,12 @@ def test_per_row_budgets_in_the_loop(target):
     assert int(steps) == 16
     for i, n in enumerate(budgets):
         assert np.asarray(out_BO)[i, :n].tolist() == full[i][:n]
+
+
+def test_explicit_max_len_that_just_fits(target):
+    """max_len = longest prompt + max_new_tokens is enough (even below the padded prompt bucket) and changes nothing."""
+    prompts = prompts_of([17, 5], seed=8)
+    free = specjax.generate(target, prompts, max_new_tokens=6, eos_token_id=[])
+    tight = specjax.generate(target, prompts, max_new_tokens=6, eos_token_id=[], max_len=23)
+    assert tight.stats["cache_len"] == 23
+    assert tight.tokens == free.tokens
