@@ -35,6 +35,14 @@ def _generate(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from .demo import EMBEDDED, run_demo
+
+    run_demo(args.target or EMBEDDED / "target", args.draft or EMBEDDED / "draft", max_new_tokens=args.max_new_tokens,
+             num_draft_tokens=args.num_draft_tokens)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.set_defaults(fn=_generate)
+
+    p = sub.add_parser("demo", help="the embedded tiny target and draft model, plain vs speculative")
+    p.add_argument("--target", default=None, help="default: checkpoints/tiny/target")
+    p.add_argument("--draft", default=None, help="default: checkpoints/tiny/draft")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.set_defaults(fn=_demo)
+
+    from .bench_ar import add_arguments as add_ar, main as bench_ar
+    from .bench_spec import add_arguments as add_spec, main as bench_spec
+
+    bench = sub.add_parser("bench", help="benchmarks (same as scripts/bench.py)").add_subparsers(dest="mode",
+                                                                                             required=True)
+    for mode, add, fn, text in (("ar", add_ar, bench_ar, "plain decoding vs transformers"),
+                                ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep")):
+        p = bench.add_parser(mode, help=text)
+        add(p)
+        p.set_defaults(fn=fn)
     return parser
 
 

@@ -144,9 +144,13 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    new, legacy = dict(hf.get("rope_parameters") or {}), dict(hf.get("rope_scaling") or {})
+    for field, spec in (("rope_parameters", new), ("rope_scaling", legacy)):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind not in _SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"config.json '{field}' has rope type {kind!r}, which is not implemented in specjax; "
+                             f"supported: {_SUPPORTED_ROPE_TYPES}")
+    params = {**new, **legacy}  # transformers lets an explicit rope_scaling override
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:

@@ -20,6 +20,7 @@ class GenerateOutput:
     tokens: list[list[int]]  # generated ids per prompt, prompt excluded, EOS included when hit
     stats: dict[str, Any]
     texts: list[str] | None = None  # decoded text when the target has a tokenizer
+    token_rounds: list[list[int]] | None = None  # speculative only: the round that emitted each token (0 = prefill)
 
 
 def bucket(n: int, minimum: int = 16) -> int:

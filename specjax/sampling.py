@@ -17,7 +17,7 @@ from .config import SamplingConfig
 def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """Log-probabilities after temperature, top-k and top-p (masked entries are -inf)."""
     logits_XV = logits_XV.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k:
+    if 0 < sampling.top_k < logits_XV.shape[-1]:
         kth_X1 = lax.top_k(logits_XV, sampling.top_k)[0][..., -1:]
         logits_XV = jnp.where(logits_XV < kth_X1, -jnp.inf, logits_XV)
     if sampling.top_p < 1.0:

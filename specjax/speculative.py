@@ -35,8 +35,8 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
                   key: jax.Array, *, lc: LoopConfig, drafter: Drafter):
     """Speculative decoding of up to max_new_B[b] tokens per row.
 
-    Returns (tokens [B, out_len], counts [B], rounds, active_rounds [B], accepted_drafts [B],
-    accepted_at_depth [max_depth]).
+    Returns (tokens [B, out_len], the round that emitted each token [B, out_len] (0 = prefill),
+    counts [B], rounds, active_rounds [B], accepted_drafts [B], accepted_at_depth [max_depth]).
     """
     b = prompt_BT.shape[0]
     n = drafter.settings.tree.num_nodes
@@ -48,17 +48,19 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
     root_B = choose_token(sub, logits_BV, lc.sampling)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
     out_BO = jnp.zeros((b, lc.out_len), jnp.int32).at[:, 0].set(root_B)
+    round_BO = jnp.zeros((b, lc.out_len), jnp.int32)
     count_B = jnp.minimum(max_new_B, 1)
     done_B = (count_B >= max_new_B) | is_eos(root_B, lc.eos_ids)
     zeros_B = jnp.zeros((b,), jnp.int32)
     stats = (zeros_B, zeros_B, jnp.zeros((max_depth,), jnp.int32))
 
     def cond(state):
-        step, _, _, _, _, done_B, _, _, _ = state
+        step, _, _, _, _, _, done_B, _, _, _ = state
         return (step < lc.out_len) & ~jnp.all(done_B)
 
     def body(state):
-        step, cache, root_B, out_BO, count_B, done_B, dstate, key, (rounds_B, accepted_B, at_depth_D) = state
+        step, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats = state
+        rounds_B, accepted_B, at_depth_D = stats
         key, k_draft, k_verify = jax.random.split(key, 3)
         draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft)
         mask_BNN = ancestor_mask(draft.parents)
@@ -79,6 +81,7 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         emit_B = jnp.minimum(emit_B, max_new_B - count_B)
         dst_BN = jnp.where(i_N[None, :] < emit_B[:, None], count_B[:, None] + i_N[None, :], lc.out_len)
         out_BO = out_BO.at[jnp.arange(b)[:, None], dst_BN].set(new_BN, mode="drop")
+        round_BO = round_BO.at[jnp.arange(b)[:, None], dst_BN].set(step + 1, mode="drop")
         count_B = count_B + emit_B
         done_B = done_B | has_eos_B | (count_B >= max_new_B)
 
@@ -88,11 +91,11 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         drafts_B = jnp.maximum(num_kept_B - 1, 0)
         at_depth_D = at_depth_D + jnp.sum(drafts_B[:, None] > jnp.arange(max_depth)[None, :], axis=0)
         stats = (rounds_B + active_B, accepted_B + drafts_B, at_depth_D)
-        return step + 1, cache, root_B, out_BO, count_B, done_B, dstate, key, stats
+        return step + 1, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats
 
-    state = (jnp.int32(0), cache, root_B, out_BO, count_B, done_B, dstate, key, stats)
-    steps, _, _, out_BO, count_B, _, _, _, (rounds_B, accepted_B, at_depth_D) = lax.while_loop(cond, body, state)
-    return out_BO, count_B, steps, rounds_B, accepted_B, at_depth_D
+    state = (jnp.int32(0), cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats)
+    steps, _, _, out_BO, round_BO, count_B, _, _, _, stats = lax.while_loop(cond, body, state)
+    return (out_BO, round_BO, count_B, steps, *stats)
 
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
@@ -112,7 +115,7 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
             jnp.asarray(max_new_B), jax.random.key(seed))
     result, compile_s, run_s = run_compiled(target, ("spec", lc, configured, prompt_BT.shape), spec_generate, args,
                                             {"lc": lc, "drafter": configured})
-    out_BO, count_B, steps, rounds_B, accepted_B, at_depth_D = (np.asarray(x) for x in result)
+    out_BO, round_BO, count_B, steps, rounds_B, accepted_B, at_depth_D = (np.asarray(x) for x in result)
     tokens = trim(out_BO, count_B, len(ids))
     n_tokens = sum(len(t) for t in tokens)
     rounds = int(rounds_B.sum())
@@ -129,7 +132,7 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
         "batch_bucket": prompt_BT.shape[0],
         "cache_len": cache_len,
     }
-    return GenerateOutput(tokens, stats, decode_texts(target, tokens))
+    return GenerateOutput(tokens, stats, decode_texts(target, tokens), trim(round_BO, count_B, len(ids)))
 
 
 def check_drafter_fits(drafter: Drafter, target: Target) -> None:

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from . import checkpoint
 from .config import ModelConfig
-from .convert.hf import load_hf, read_hf_config
+from .convert.hf import load_hf
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,6 +37,11 @@ class Target:
         return self.tokenizer
 
 
+def _check_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16' (or None: the checkpoint's), got {dtype!r}")
+
+
 def _read_tokenizer(path: Path) -> Tokenizer | None:
     file = path / "tokenizer.json"
     return Tokenizer.from_file(str(file)) if file.is_file() else None
@@ -52,6 +57,7 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass a converted specjax checkpoint or a Hugging Face"
                                 " model directory (config.json + safetensors)")
+    _check_dtype(dtype)
     if attn_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"attn_impl must be 'xla', 'pallas' or 'auto', got {attn_impl!r}")
     if checkpoint.is_checkpoint(path):
@@ -69,9 +75,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist: pass a Hugging Face model directory")
-    if dtype not in (None, "float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    read_hf_config(src)
+    _check_dtype(dtype)
     hf_config, cfg, host_params = load_hf(src, dtype=dtype)
     extra = {name: src / name for name in checkpoint.TOKENIZER_FILES if (src / name).is_file()}
     return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=extra,

@@ -79,9 +79,6 @@ def test_legacy_rope_scaling_type_is_checked_too(hf_dir, tmp_path):
         specjax.load(path)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG specjax/config.py _rope_from_hf: when config.json has both "
-                   "rope_parameters and rope_scaling, rope_parameters wins the merge, so an unsupported "
-                   "rope_scaling (which transformers gives priority) is silently ignored")
 def test_rope_scaling_next_to_rope_parameters_is_not_ignored(hf_dir, tmp_path):
     path = _copy_with_config(hf_dir, tmp_path / "m", rope_scaling={"type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match=r"'dynamic'"):
@@ -150,8 +147,6 @@ def test_mis_shaped_tensor(hf_dir, tmp_path):
         specjax.load(path)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG specjax/target.py load(): dtype is not validated; an HF dir raises "
-                   "KeyError('int8') from convert/hf.py and a converted checkpoint silently casts weights to int8")
 def test_bad_load_dtype(hf_dir, tmp_path):
     converted = specjax.convert(hf_dir, tmp_path / "ckpt")
     for path in (hf_dir, converted):

@@ -87,8 +87,6 @@ def test_top_p_keeps_at_least_the_most_likely_token():
     np.testing.assert_allclose(probs, [0.0, 1.0, 0.0, 0.0])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG specjax/sampling.py: top_k larger than the vocabulary makes "
-                   "lax.top_k raise instead of being clamped to the vocabulary (HF: min(top_k, vocab) = off)")
 def test_top_k_larger_than_vocab_is_off():
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8)), jnp.float32)
     big = sampling_logprobs(logits, SamplingConfig(1.0, top_k=100))

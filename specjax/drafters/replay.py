@@ -23,8 +23,8 @@ from .base import PrefillContext, Settings
 @dataclasses.dataclass(frozen=True)
 class ReplayDrafter:
     vocab_size: int
-    corrupt_prob: float = 0.0
-    params: Any = dataclasses.field(default=None, compare=False, repr=False)  # {"reference": int32 [B, M]}
+    # {"reference": int32 [B, M], "corrupt_prob": float32 []}: arrays, so a sweep over rates compiles once.
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
     settings: Settings | None = None
     name: str = "replay"
     feature_layers: tuple[int, ...] = ()
@@ -50,7 +50,7 @@ class ReplayDrafter:
         idx_BK = state[:, None] + jnp.arange(k)[None, :]
         drafts_BK = jnp.take_along_axis(ref_BM, jnp.clip(idx_BK, 0, m - 1), axis=1)
         k_flip, k_tok = jax.random.split(key)
-        flip_BK = jax.random.uniform(k_flip, (b, k)) < self.corrupt_prob
+        flip_BK = jax.random.uniform(k_flip, (b, k)) < params["corrupt_prob"]
         other_BK = (drafts_BK + jax.random.randint(k_tok, (b, k), 1, self.vocab_size)) % self.vocab_size
         drafts_BK = jnp.where(flip_BK, other_BK, drafts_BK)
         tokens_BN = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
@@ -71,4 +71,4 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
     ref = np.zeros((rows, width), np.int32)
     for i, c in enumerate(continuations):
         ref[i, : len(c)] = c
-    return ReplayDrafter(vocab_size, corrupt_prob, params={"reference": jnp.asarray(ref)})
+    return ReplayDrafter(vocab_size, params={"reference": jnp.asarray(ref), "corrupt_prob": jnp.float32(corrupt_prob)})
