@@ -31,8 +31,24 @@ def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig) -> jax.Arr
     return jax.nn.log_softmax(logits_XV, axis=-1)
 
 
-def choose_token(key: jax.Array, logits_XV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """One key per batch row, derived from the row index: a row's draws do not depend on the batch around it."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+def sample_rows(key: jax.Array, logp_BV: jax.Array) -> jax.Array:
+    """One draw per row from log-probabilities [B, V], with per-row keys."""
+    draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))
+    return draw(row_keys(key, logp_BV.shape[0]), logp_BV).astype(jnp.int32)
+
+
+def uniform_rows(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniforms of shape [B, ...], with per-row keys."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(row_keys(key, shape[0]))
+
+
+def choose_token(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """One token per row: argmax when greedy, else a draw from `sampling_logprobs`."""
     if sampling.greedy:
-        return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, sampling_logprobs(logits_XV, sampling), axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return sample_rows(key, sampling_logprobs(logits_BV, sampling))

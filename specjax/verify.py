@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import SamplingConfig
-from .sampling import sampling_logprobs
+from .sampling import sample_rows, sampling_logprobs, uniform_rows
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +77,7 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
     b, n, _ = target_logits_BNV.shape
     p_BNV = jnp.exp(sampling_logprobs(target_logits_BNV, sampling))
     u_key, bonus_key = jax.random.split(key)
-    u_BN = jax.random.uniform(u_key, (b, n))
+    u_BN = uniform_rows(u_key, (b, n))
     rows = jnp.arange(b)
 
     def step(carry, j):
@@ -101,7 +101,7 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
         return (jnp.where(accept_B, j, cur_B), new_p_BV), None
 
     (last_B, p_BV), _ = lax.scan(step, (jnp.zeros((b,), jnp.int32), p_BNV[:, 0]), jnp.arange(1, n))
-    bonus_B = jax.random.categorical(bonus_key, jnp.log(p_BV), axis=-1).astype(jnp.int32)
+    bonus_B = sample_rows(bonus_key, jnp.log(p_BV))
     path_BN, length_B = path_to_node(mask_BNN, last_B)
     return Verdict(path_BN, length_B, bonus_B)
 

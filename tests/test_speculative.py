@@ -141,3 +141,12 @@ def test_unknown_tree_and_tree_for_chain_only_drafters_are_refused(target):
         specjax.generate(target, [[5, 6]], max_new_tokens=4, drafter=specjax.NgramDrafter(), tree="spiral")
     with pytest.raises(ValueError, match="chains only"):
         specjax.generate(target, [[5, 6]], max_new_tokens=4, drafter=specjax.NgramDrafter(), tree="kary:2")
+
+
+def test_sampled_rows_do_not_depend_on_the_batch(target, other_model, prompts):
+    """Per-row random keys: a prompt samples the same tokens alone or inside a ragged batch."""
+    drafter = DraftModelDrafter(other_model.cfg, other_model.params)
+    for kwargs in ({}, {"drafter": drafter, "num_draft_tokens": 3}):
+        batch = specjax.generate(target, prompts, max_new_tokens=16, temperature=8.0, seed=5, **kwargs).tokens
+        alone = specjax.generate(target, prompts[:1], max_new_tokens=16, temperature=8.0, seed=5, **kwargs).tokens
+        assert alone[0] == batch[0]

@@ -20,7 +20,7 @@ from jax import lax
 from ..cache import KVCache, commit, init_cache
 from ..config import ModelConfig
 from ..models.decoder import forward, lm_head
-from ..sampling import sampling_logprobs
+from ..sampling import sample_rows, sampling_logprobs
 from ..tree import ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings
@@ -58,7 +58,7 @@ class DraftModelDrafter:
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
         logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
-        return jax.random.categorical(key, logp_BV, axis=-1).astype(jnp.int32), jnp.exp(logp_BV)
+        return sample_rows(key, logp_BV), jnp.exp(logp_BV)
 
     def propose(self, params, state, root_B, key):
         if self.settings.tree.is_chain:
