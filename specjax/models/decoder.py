@@ -164,18 +164,17 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
-    """Random params (normal(0, scale) matrices, unit norms): for tests, benchmarks and training."""
+    """Random params (normal(0, scale) matrices, unit norms, zero biases): for tests, benchmarks, training."""
     dtype = jnp.dtype(cfg.dtype)
-    leaves, treedef = jax.tree.flatten(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
+        if "norm" in name:
+            return jnp.ones(shape, dtype)
+        if name in ("bq", "bk", "bv"):
+            return jnp.zeros(shape, dtype)
+        return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        elif path.endswith("['bq']") or path.endswith("['bk']") or path.endswith("['bv']"):
-            out.append(jnp.zeros(shape, dtype))
-        else:
-            out.append((scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, [make(path[-1].key, shape, k)
+                                                  for (path, shape), k in zip(leaves, keys)])
