@@ -1,0 +1,83 @@
+"""A cache-free forward of the dense decoder for training: whole sequences, causal attention.
+
+The serving `forward` writes every token's K/V into a fixed-shape cache and attends over
+the whole cache; for training that is wasted work and memory. This forward reuses the
+decoder's building blocks (`rms_norm`, `apply_rope`, `rope_inv_freq`) and the same params,
+so a model trained here runs unchanged in `specjax.models.decoder.forward`
+(tests/test_train.py checks they agree).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..config import ModelConfig
+from ..models.decoder import apply_rope, lm_head, rms_norm, rope_inv_freq
+
+NEG_INF = -1e30
+
+
+def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) -> jax.Array:
+    """Causal GQA attention over one sequence per row; softmax in fp32, K/V never repeated."""
+    b, t, h, d = q_BTHD.shape
+    kv = k_BTKD.shape[2]
+    q_BTKGD = q_BTHD.reshape(b, t, kv, h // kv, d)
+    logits_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD,
+                              preferred_element_type=jnp.float32) / math.sqrt(d)
+    causal_TS = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, NEG_INF)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BTKD.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BTKD)
+    return out_BTKGD.reshape(b, t, h, d)
+
+
+def _layer(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+    """One pre-norm decoder layer (attention + SwiGLU MLP), same math as the serving decoder."""
+    b, t, _ = h_BTD.shape
+    x_BTD = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = x_BTD @ p["wq"], x_BTD @ p["wk"], x_BTD @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q_BTHD = rms_norm(q_BTHD, p["q_norm"], cfg.rms_norm_eps)
+        k_BTKD = rms_norm(k_BTKD, p["k_norm"], cfg.rms_norm_eps)
+    q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq)
+    k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq)
+    o_BTHD = causal_attention(q_BTHD, k_BTKD, v_BTKD)
+    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
+    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+    return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
+
+
+def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, capture: tuple[int, ...] = (),
+                  remat: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Final-normed hidden states [B, T, D] of whole sequences (positions 0..T-1), plus captures.
+
+    `capture` follows the decoder's numbering: i < num_layers is the residual stream entering
+    layer i, i = num_layers the last layer's output before the final norm (what EAGLE-3, MTP and
+    DFlash heads read). `remat` recomputes each layer in the backward pass to save memory.
+    """
+    b, t = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    layer_fn = jax.checkpoint(_layer, static_argnums=(0,)) if remat else _layer
+
+    def body(h_BTD, p):
+        return layer_fn(cfg, p, h_BTD, positions_BT, inv_freq), h_BTD
+
+    h_BTD, inputs_LBTD = lax.scan(body, params["embed"][tokens_BT], params["layers"])
+    captured = tuple(h_BTD if i == cfg.num_layers else inputs_LBTD[i] for i in capture)
+    return rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), captured
+
+
+def train_logits(params: dict, cfg: ModelConfig, tokens_BT: jax.Array) -> jax.Array:
+    """fp32 next-token logits [B, T, V] of whole sequences."""
+    h_BTD, _ = train_forward(params, cfg, tokens_BT)
+    return lm_head(params, cfg, h_BTD)
