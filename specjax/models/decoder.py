@@ -63,13 +63,11 @@ def causal_mask(t: int) -> jax.Array:
     return jnp.tril(jnp.ones((t, t), jnp.bool_))
 
 
-def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
-           mask_BTT, inv_freq, attn_impl: str):
+def qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+    """The attention half of a layer up to attention itself: pre-norm, projections, q/k norms, RoPE."""
     b, t, _ = h_BTD.shape
     x_BTD = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-    q = x_BTD @ p["wq"]
-    k = x_BTD @ p["wk"]
-    v = x_BTD @ p["wv"]
+    q, k, v = x_BTD @ p["wq"], x_BTD @ p["wk"], x_BTD @ p["wv"]
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -78,15 +76,24 @@ def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache,
     if cfg.qk_norm:
         q_BTHD = rms_norm(q_BTHD, p["q_norm"], cfg.rms_norm_eps)
         k_BTKD = rms_norm(k_BTKD, p["k_norm"], cfg.rms_norm_eps)
-    q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq)
-    k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq)
+    return apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq), v_BTKD
+
+
+def attn_out_and_mlp(cfg: ModelConfig, p: dict, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
+    """The rest of a layer after attention: output projection, residual, pre-norm SwiGLU MLP, residual."""
+    b, t, _ = h_BTD.shape
+    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
+    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+    return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
+
+
+def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
+           mask_BTT, inv_freq, attn_impl: str):
+    q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
     k_cache = write_layer(k_cache, layer, k_BTKD, lengths_B)
     v_cache = write_layer(v_cache, layer, v_BTKD, lengths_B)
     o_BTHD = attention(q_BTHD, k_cache, v_cache, lengths_B, mask_BTT, layer=layer, impl=attn_impl)
-    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
-    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-    mlp_BTF = jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])
-    return h_BTD + mlp_BTF @ p["w_down"], k_cache, v_cache
+    return attn_out_and_mlp(cfg, p, h_BTD, o_BTHD), k_cache, v_cache
 
 
 def forward(
