@@ -7,8 +7,10 @@ Stages, each resumable (rerun the same command after an interruption):
   export     evaluation, checkpoints/tiny/{target,draft}, manifest.json, eval_slice.json
 Training state lives in --run-dir (git-ignored); only the final models go to --out.
 
-    python scripts/train_tiny.py                      # everything, ~25 min on 2 CPU cores
+    python scripts/train_tiny.py                      # everything: ~23 min on 2 shared CPU cores
     python scripts/train_tiny.py --stop-after target  # one stage at a time
+    python scripts/train_tiny.py --stop-after draft --draft-data generated
+        # the alternative draft (KL on the target's greedy continuations); export records its tau too
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ def stage_draft(args, streams, target_params, log) -> dict:
     return trainer.host(state["params"])
 
 
+def restore_params(run_dir: Path) -> dict:
+    """Final params of a finished training run (its latest orbax checkpoint)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    with trainer.checkpoint_manager(run_dir, trainer.TrainConfig(steps=0)) as mgr:
+        step = mgr.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint; run its training stage first")
+        return trainer.host(mgr.restore(step, args=ocp.args.StandardRestore())["params"])
+
+
 def draft_run_dir(args) -> Path:
     return args.run_dir / ("draft" if args.draft_data == "corpus" else "draft-generated")
 
@@ -195,6 +208,17 @@ def stage_export(args, splits, streams, tok, target_params, draft_params, log, w
     log(f"held-out continuations: teacher-forced agreement {cont_agree:.3f}, implied greedy tau (K="
         f"{args.num_draft_tokens}) {sim_tau:.3f}")
 
+    alternatives = {}  # the other draft-data choice, when its run exists, for the record
+    for run in ("draft", "draft-generated"):
+        if run != draft_run_dir(args).name and (args.run_dir / run / "checkpoints").is_dir():
+            alt_agree, _ = continuation_agreement(target_params, restore_params(args.run_dir / run), prompt_ids,
+                                                  args.new_tokens)
+            alt_taus = [tiny.greedy_tau(a, args.num_draft_tokens) for a in alt_agree]
+            alternatives[run] = {
+                "teacher_forced_top1_agreement_continuations": float(np.concatenate(alt_agree).mean()),
+                "implied_greedy_tau": sum(t * r for t, r in alt_taus) / sum(r for _, r in alt_taus)}
+            log(f"alternative {run}: " + json.dumps(alternatives[run]))
+
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     tok_path = args.run_dir / "tokenizer.json"
@@ -247,6 +271,7 @@ def stage_export(args, splits, streams, tok, target_params, draft_params, log, w
             "implied_greedy_tau": sim_tau,
             "num_draft_tokens": args.num_draft_tokens,
             "max_new_tokens": args.new_tokens,
+            "alternative_draft_runs": alternatives,
             "note": "implied_greedy_tau replays greedy chain verification on the target's own greedy "
                     "continuations of the held-out prompts using the draft's teacher-forced argmax",
         },
@@ -291,7 +316,7 @@ def main(argv=None) -> None:
     target_params = timed("target", stage_target, args, streams, log)
     if args.stop_after == "target":
         return
-    draft_params = timed("draft", stage_draft, args, streams, target_params, log)
+    draft_params = timed(draft_run_dir(args).name, stage_draft, args, streams, target_params, log)
     if args.stop_after == "draft":
         return
     timed("export", stage_export, args, splits, streams, tok, target_params, draft_params, log, wall_s)

@@ -2,7 +2,7 @@
 
 The serving `forward` writes every token's K/V into a fixed-shape cache and attends over
 the whole cache; for training that is wasted work and memory. This forward reuses the
-decoder's building blocks (`rms_norm`, `apply_rope`, `rope_inv_freq`) and the same params,
+decoder's building blocks (`qkv`, `attn_out_and_mlp`, `rms_norm`, `rope_inv_freq`) and params,
 so a model trained here runs unchanged in `specjax.models.decoder.forward`
 (tests/test_train.py checks they agree).
 """
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..models.decoder import apply_rope, lm_head, rms_norm, rope_inv_freq
+from ..models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq
 
 NEG_INF = -1e30
 
@@ -36,24 +36,9 @@ def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) ->
 
 
 def _layer(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
-    """One pre-norm decoder layer (attention + SwiGLU MLP), same math as the serving decoder."""
-    b, t, _ = h_BTD.shape
-    x_BTD = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = x_BTD @ p["wq"], x_BTD @ p["wk"], x_BTD @ p["wv"]
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q_BTHD = rms_norm(q_BTHD, p["q_norm"], cfg.rms_norm_eps)
-        k_BTKD = rms_norm(k_BTKD, p["k_norm"], cfg.rms_norm_eps)
-    q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq)
-    k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq)
-    o_BTHD = causal_attention(q_BTHD, k_BTKD, v_BTKD)
-    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
-    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-    return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
+    """One pre-norm decoder layer: the decoder's own qkv / attn_out_and_mlp around causal attention."""
+    q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
+    return attn_out_and_mlp(cfg, p, h_BTD, causal_attention(q_BTHD, k_BTKD, v_BTKD))
 
 
 def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, capture: tuple[int, ...] = (),
