@@ -77,5 +77,5 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
                       "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}")
     console.print(table)
     console.print("Highlighted: drafted tokens the target accepted (one shade per round); plain: the target's own "
-                  "token ending each round. Speedup here is on this machine's CPU; see README for GPU figures.")
+                  "token ending each round. Speedups are this machine's; on a CPU verifying many tokens is not free.")
     return rows

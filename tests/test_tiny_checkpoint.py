@@ -67,7 +67,6 @@ def test_recorded_loss_matches_recomputation(target, draft):
     tokens_WS = np.asarray(json.loads((TINY / "eval_slice.json").read_text())["tokens"])
     for model, name in ((target, "target"), (draft, "draft")):
         assert serving_loss(model, tokens_WS) == pytest.approx(MANIFEST["eval_slice_loss"][name], abs=LOSS_ATOL)
-    assert MANIFEST["eval_slice_loss"]["target"] < MANIFEST["eval_slice_loss"]["draft"]
     # The target has learned something: far below the unigram entropy of the corpus.
     assert MANIFEST["models"]["target"]["validation_loss"] < MANIFEST["unigram_cross_entropy"] - 1.0
 
