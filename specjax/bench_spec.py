@@ -36,7 +36,7 @@ def bench_prompts(target: Target, n: int, seed: int = 0) -> list:
     """Held-out prompts from the embedded checkpoint's manifest when present, else random ids."""
     manifest = Path(target.path or "").parent / "manifest.json"
     if manifest.is_file() and target.tokenizer is not None:
-        texts = json.loads(manifest.read_text()).get("held_out_prompts") or []
+        texts = [p["text"] for p in json.loads(manifest.read_text()).get("held_out_prompts") or []]
         if texts:
             return [texts[i % len(texts)] for i in range(n)]
     rng = np.random.default_rng(seed)

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from . import checkpoint
 from .config import ModelConfig
 from .convert.hf import load_hf
+from .models.decoder import unstack_layers
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,6 +25,9 @@ class Target:
     path: Path | None = None
     attn_impl: str = "auto"
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)  # loop key -> compiled executable
+
+    def __post_init__(self):
+        self.params = serving_layout(self.params)
 
     def encode(self, text: str) -> list[int]:
         return self._need_tokenizer().encode(text).ids
@@ -68,6 +72,11 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto")
         hf_config, cfg, host_params = load_hf(path, dtype=dtype)
         params = jax.tree.map(jnp.asarray, host_params)
     return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl)
+
+
+def serving_layout(params: dict) -> dict:
+    """Per-layer weight arrays on CPU (3x less memory traffic there), stacked layers elsewhere."""
+    return unstack_layers(params) if jax.default_backend() == "cpu" else params
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:

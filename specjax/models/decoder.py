@@ -1,8 +1,9 @@
 """The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as pure functions.
 
 Params are a nested dict; the per-layer weights are stacked on a leading axis and the
-layers run under `lax.scan`, so compile time does not grow with depth. The KV cache is
-carried through the scan and written in place at each row's offset.
+layers run under `lax.scan`, so compile time does not grow with depth (on CPU,
+`unstack_layers` trades that for speed). The KV cache is carried through the layers and
+written in place at each row's offset.
 
 Hidden-state numbering follows Hugging Face: `capture=(i,)` returns the residual
 stream entering layer i (= HF `hidden_states[i]`, 0 = embeddings); `i = num_layers`
@@ -136,14 +137,39 @@ def forward(
                                      inv_freq, attn_impl)
         return (h, k_cache, v_cache, captured), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h_BTD, k, v, captured_CBTD), _ = lax.scan(
-        body, (h_BTD, cache.k, cache.v, captured_CBTD), (params["layers"], layer_ids)
-    )
+    carry = (h_BTD, cache.k, cache.v, captured_CBTD)
+    if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (see unstack_layers): unrolled
+        for i, p in enumerate(params["layers"]):
+            carry, _ = body(carry, (p, jnp.int32(i)))
+    else:
+        carry, _ = lax.scan(body, carry, (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    h_BTD, k, v, captured_CBTD = carry
     if capture:
         captured_CBTD = jnp.where((capture_ids == cfg.num_layers)[:, None, None, None], h_BTD[None], captured_CBTD)
     out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
     return out_BTD, tuple(captured_CBTD), KVCache(k, v, lengths_B)
+
+
+def unstack_layers(params: dict) -> dict:
+    """Params with the stacked layers split into a tuple of per-layer dicts (forward then unrolls them).
+
+    On CPU, XLA copies each layer's weights out of a stacked array before its matmuls (a
+    scan's slice, or even a static slice), tripling the memory traffic of batch-1 decode;
+    separate arrays are read in place. On accelerators keep the stacked layout, the usual
+    one there: the scan keeps compile time flat in depth.
+    """
+    stacked = params["layers"]
+    if isinstance(stacked, (list, tuple)):
+        return params
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda x: x[i], stacked) for i in range(num_layers))
+    return {**params, "layers": layers}
+
+
+def stacked_layers(params: dict) -> dict:
+    """The layer weights stacked on a leading axis, whichever layout params are in."""
+    layers = params["layers"]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if isinstance(layers, (list, tuple)) else layers
 
 
 def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:

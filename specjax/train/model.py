@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq
+from ..models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq, stacked_layers
 
 NEG_INF = -1e30
 
@@ -57,7 +57,7 @@ def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, captu
     def body(h_BTD, p):
         return layer_fn(cfg, p, h_BTD, positions_BT, inv_freq), h_BTD
 
-    h_BTD, inputs_LBTD = lax.scan(body, params["embed"][tokens_BT], params["layers"])
+    h_BTD, inputs_LBTD = lax.scan(body, params["embed"][tokens_BT], stacked_layers(params))
     captured = tuple(h_BTD if i == cfg.num_layers else inputs_LBTD[i] for i in capture)
     return rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), captured
 
