@@ -28,7 +28,7 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def _prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
+def prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists or a list of strings")
     if len(prompts) == 0:
@@ -43,7 +43,7 @@ def _prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
     return ids
 
 
-def _check_lengths(target: Target, ids: list[list[int]], max_new_tokens: int, max_len: int | None,
+def cache_length(target: Target, ids: list[list[int]], max_new_tokens: int, max_len: int | None,
                    extra: int) -> int:
     """The cache length for this call, or a ValueError when the prompts cannot fit."""
     if max_new_tokens <= 0:
@@ -103,15 +103,15 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     eos_token_id: overrides the config's EOS ids; [] disables stopping on EOS.
     """
     if drafter is not None:
-        from .speculative import speculative_generate  # noqa: PLC0415 (the speculative module is optional)
+        from .speculative import speculative_generate  # noqa: PLC0415 (speculative.py imports this module)
 
         return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                     num_draft_tokens=num_draft_tokens, tree=tree, eos_token_id=eos_token_id,
                                     max_len=max_len)
     sampling = SamplingConfig(temperature, top_k, top_p).validate()
-    ids = _prompt_ids(target, prompts)
-    cache_len = _check_lengths(target, ids, max_new_tokens, max_len, extra=0)
+    ids = prompt_ids(target, prompts)
+    cache_len = cache_length(target, ids, max_new_tokens, max_len, extra=0)
     prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
     lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(max_new_tokens), cache_len,
                     target.attn_impl)

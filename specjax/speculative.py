@@ -21,7 +21,7 @@ from .cache import commit, init_cache
 from .config import SamplingConfig
 from .decode import LoopConfig, is_eos, prefill
 from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
-from .generate import (GenerateOutput, _check_lengths, _prompt_ids, bucket, decode_texts, eos_ids, pad_batch,
+from .generate import (GenerateOutput, bucket, cache_length, decode_texts, eos_ids, pad_batch, prompt_ids,
                        run_compiled, trim)
 from .models.decoder import forward, lm_head
 from .sampling import choose_token
@@ -105,8 +105,8 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
     sampling = SamplingConfig(temperature, top_k, top_p).validate()
     spec = parse_tree(tree, num_draft_tokens)
     check_drafter_fits(drafter, target)
-    ids = _prompt_ids(target, prompts)
-    cache_len = _check_lengths(target, ids, max_new_tokens, max_len, extra=spec.num_nodes)
+    ids = prompt_ids(target, prompts)
+    cache_len = cache_length(target, ids, max_new_tokens, max_len, extra=spec.num_nodes)
     prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
     out_len = bucket(max_new_tokens)
     lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), out_len, cache_len, target.attn_impl)

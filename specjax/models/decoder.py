@@ -174,8 +174,9 @@ def stacked_layers(params: dict) -> dict:
 
 def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """Logits in fp32 from final-normed hidden states (tied embeddings when the config says so)."""
-    w_DV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    if cfg.tie_word_embeddings:  # contract with the [V, D] table as stored: a transposed view costs a copy on CPU
+        return jnp.einsum("btd,vd->btv", h_BTD, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
