@@ -52,9 +52,6 @@ class TreeSpec:
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.parents) - 1))
 
-    def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
-
 
 def chain(num_draft_tokens: int) -> TreeSpec:
     """Root plus a chain of K drafts (N = K + 1 nodes)."""

@@ -68,6 +68,12 @@ class Drafter(Protocol):
     def update(self, params, state, draft: Draft, verdict: Verdict, features: tuple[jax.Array, ...]) -> Any: ...
 
 
+def require_chain(name: str, settings: Settings) -> None:
+    """For drafters that only propose chains: refuse a tree spec with an error that says what to pass."""
+    if not settings.tree.is_chain:
+        raise ValueError(f"the {name} drafter proposes chains only; pass num_draft_tokens=K, not a tree")
+
+
 def accepted_tokens(draft: Draft, verdict: Verdict) -> jax.Array:
     """int32 [B, N]: the tokens this round adds to the sequence, in order: accepted drafts then the bonus.
 

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings
+from ..tree import spec_arrays
+from .base import PrefillContext, Settings, require_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +34,7 @@ class NgramDrafter:
             raise ValueError(f"ngram needs 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
     def configure(self, settings: Settings) -> "NgramDrafter":
-        if not settings.tree.is_chain:
-            raise ValueError("the ngram drafter proposes chains only; pass num_draft_tokens=K, not a tree")
+        require_chain(self.name, settings)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -68,8 +68,7 @@ class NgramDrafter:
         drafts_BK = jnp.take_along_axis(seq_BH, jnp.clip(follow_BK, 0, h - 1), axis=1)
         tokens_BN = jnp.concatenate([root_B[:, None], jnp.where(valid_BK, drafts_BK, 0)], axis=1)
         valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), valid_BK], axis=1)
-        parents_BN = jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, k + 1))
-        return Draft(tokens_BN, parents_BN, valid_BN), state
+        return Draft(tokens_BN, spec_arrays(self.settings.tree, b), valid_BN), state
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
         """Append the committed tokens (root + accepted drafts) to the history."""

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings
+from ..generate import bucket
+from ..tree import spec_arrays
+from .base import PrefillContext, Settings, require_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +32,7 @@ class ReplayDrafter:
     feature_layers: tuple[int, ...] = ()
 
     def configure(self, settings: Settings) -> "ReplayDrafter":
-        if not settings.tree.is_chain:
-            raise ValueError("the replay drafter proposes chains only; pass num_draft_tokens=K, not a tree")
+        require_chain(self.name, settings)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -55,8 +56,7 @@ class ReplayDrafter:
         drafts_BK = jnp.where(flip_BK, other_BK, drafts_BK)
         tokens_BN = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
         valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), idx_BK < m], axis=1)
-        parents_BN = jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, k + 1))
-        return Draft(tokens_BN.astype(jnp.int32), parents_BN, valid_BN), state
+        return Draft(tokens_BN.astype(jnp.int32), spec_arrays(self.settings.tree, b), valid_BN), state
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
         return state + verdict.num_accepted
@@ -66,7 +66,7 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
     """Build from the target's continuation of each prompt (e.g. `generate(...).tokens` at temperature 0)."""
     if not 0.0 <= corrupt_prob <= 1.0:
         raise ValueError(f"corrupt_prob must be in [0, 1], got {corrupt_prob}")
-    rows = 1 << max(0, (len(continuations) - 1).bit_length())  # the batch bucket generate() pads to
+    rows = bucket(len(continuations), minimum=1)  # the batch bucket generate() pads to
     width = max(1, max(len(c) for c in continuations))
     ref = np.zeros((rows, width), np.int32)
     for i, c in enumerate(continuations):
