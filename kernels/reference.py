@@ -81,13 +81,16 @@ def visibility(lengths_B, mask_BNN, pos_BP):
     return (pos_BP < lengths_B1)[:, None, :] | (is_new_BP[:, None, :] & tree_BNP)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "interpret", "finite_cache"))
 def tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None,
-                             layer=None, block_k=None, interpret=False):
+                             layer=None, block_k=None, interpret=False, finite_cache=False):
     """Tree attention with XLA einsums over the whole cache and a validity mask.
 
     Same signature as `tree_attention` (block_k and interpret are accepted and ignored).
     GQA reshapes q to [B, N, Hkv, G, D] so K/V are never repeated; softmax is fp32.
+    finite_cache=True promises nothing past lengths + N is NaN/inf (true of specjax's own
+    zero-initialized caches) and skips masking V, a full copy of V per call (at S = 16k,
+    Hkv = 2, D = 64 on CPU: 10.5 ms -> 3.6 ms).
     """
     del block_k, interpret
     check_inputs(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, layer)
@@ -101,8 +104,9 @@ def tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_
     pos_BS = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32)[None], (batch, max_len))
     visible_BNS = visibility(lengths_B, mask_BNN, pos_BS)
     # Rows past lengths + N may hold NaN: zero V there so 0-weight * NaN cannot leak.
-    readable_BS = pos_BS < (lengths_B.astype(jnp.int32) + num_new)[:, None]
-    v_BSKD = jnp.where(readable_BS[:, :, None, None], v_BSKD, jnp.zeros((), v_BSKD.dtype))
+    if not finite_cache:
+        readable_BS = pos_BS < (lengths_B.astype(jnp.int32) + num_new)[:, None]
+        v_BSKD = jnp.where(readable_BS[:, :, None, None], v_BSKD, jnp.zeros((), v_BSKD.dtype))
 
     # fp32 inputs get true fp32 matmuls (GPUs would otherwise use TF32); bf16 is unaffected.
     precision = lax.Precision.HIGHEST if q_BNHD.dtype == jnp.float32 else None

@@ -93,7 +93,9 @@ def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache,
     q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
     k_cache = write_layer(k_cache, layer, k_BTKD, lengths_B)
     v_cache = write_layer(v_cache, layer, v_BTKD, lengths_B)
-    o_BTHD = attention(q_BTHD, k_cache, v_cache, lengths_B, mask_BTT, layer=layer, impl=attn_impl)
+    # specjax caches start as zeros and only ever hold computed K/V: never NaN past a row's tokens.
+    o_BTHD = attention(q_BTHD, k_cache, v_cache, lengths_B, mask_BTT, layer=layer, impl=attn_impl,
+                       finite_cache=True)
     return attn_out_and_mlp(cfg, p, h_BTD, o_BTHD), k_cache, v_cache
 
 

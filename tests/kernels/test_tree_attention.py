@@ -119,6 +119,18 @@ def test_reference_matches_numpy(batch, num_new, q_heads, kv_heads, head_dim, ma
     assert_close(out, expect, jnp.float32)
 
 
+def test_reference_finite_cache_skips_masking_but_not_correctness():
+    """finite_cache=True (specjax's own caches) gives the same result when garbage is finite."""
+    q, k, v, lengths, mask = make_inputs(
+        4, batch=3, num_new=5, q_heads=8, kv_heads=2, head_dim=64, max_len=48,
+        lengths=[0, 43, 20], dtype=jnp.float32, num_layers=2, layer=1)
+    garbage = np.random.default_rng(5).standard_normal(k.shape).astype(np.float32) * 100
+    k = jnp.where(jnp.isnan(k), garbage, k)
+    v = jnp.where(jnp.isnan(v), garbage, v)
+    out = tree_attention_reference(q, k, v, lengths, mask, layer=1, finite_cache=True)
+    assert_close(out, numpy_attention(q, k, v, lengths, mask, layer=1), jnp.float32)
+
+
 def test_reference_bf16_matches_numpy():
     q, k, v, lengths, mask = make_inputs(
         1, batch=2, num_new=4, q_heads=8, kv_heads=2, head_dim=64, max_len=32,
