@@ -28,7 +28,7 @@ def _generate(args) -> int:
     prompts = args.prompt if target.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
     out = generate(target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
-                   num_draft_tokens=args.num_draft_tokens)
+                   num_draft_tokens=args.num_draft_tokens, tree=args.tree)
     for i, toks in enumerate(out.tokens):
         print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
     print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1))
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="a draft-model checkpoint dir")
-    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length (default 4)")
+    p.add_argument("--tree", default=None, help="draft tree instead of a chain, e.g. kary:3,2,1")
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.set_defaults(fn=_generate)
 
