@@ -23,14 +23,6 @@ class KVCache:
     v: jax.Array  # [L, B, S, Hkv, D]
     lengths: jax.Array  # int32 [B]
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache (all lengths 0)."""

@@ -56,10 +56,6 @@ class ModelConfig:
     family: str = "llama"
     dtype: str = "float32"
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def num_params(self) -> int:
         d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
