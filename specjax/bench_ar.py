@@ -230,7 +230,6 @@ def device_copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> float
     bump = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))  # a real read + write; a bare copy may be forwarded
     jax.block_until_ready(bump(x))
     median, _, _ = _median_time(lambda: jax.block_until_ready(bump(x)), repeats)
-    del x
     return 2 * nbytes / median
 
 

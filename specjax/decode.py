@@ -47,6 +47,13 @@ def prefill(params: dict, lc: LoopConfig, cache: KVCache, prompt_BT: jax.Array, 
     return logits_BV, captured, KVCache(cache.k, cache.v, prompt_len_B)
 
 
+def first_token_state(tok_B: jax.Array, max_new_B: jax.Array, lc: LoopConfig):
+    """After prefill: the output buffer holding each row's first token, its count, and which rows are done."""
+    out_BO = jnp.zeros((tok_B.shape[0], lc.out_len), jnp.int32).at[:, 0].set(tok_B)
+    count_B = jnp.minimum(max_new_B, 1)
+    return out_BO, count_B, (count_B >= max_new_B) | is_eos(tok_B, lc.eos_ids)
+
+
 @partial(jax.jit, static_argnames=("lc",))
 def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
                 key: jax.Array, *, lc: LoopConfig):
@@ -60,9 +67,7 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
     cache = init_cache(lc.model, b, lc.cache_len)
     logits_BV, _, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B)
     tok_B = choose_token(sub, logits_BV, lc.sampling)
-    out_BO = jnp.zeros((b, lc.out_len), jnp.int32).at[:, 0].set(tok_B)
-    count_B = jnp.minimum(max_new_B, 1)
-    done_B = (count_B >= max_new_B) | is_eos(tok_B, lc.eos_ids)
+    out_BO, count_B, done_B = first_token_state(tok_B, max_new_B, lc)
 
     def cond(state):
         step, _, _, _, _, done_B, _ = state

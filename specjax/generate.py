@@ -93,6 +93,46 @@ def run_compiled(target: Target, key: Any, fn, args: tuple, static: dict) -> tup
     return result, compile_s, time.perf_counter() - start
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One validated call, bucketed: padded prompt arrays and the static loop configuration."""
+
+    ids: list[list[int]]
+    prompt_BT: np.ndarray
+    prompt_len_B: np.ndarray
+    max_new_B: np.ndarray
+    lc: LoopConfig
+
+    def arrays(self, seed: int) -> tuple:
+        """The jitted loops' array arguments after params: prompts, lengths, budgets, key."""
+        return (jnp.asarray(self.prompt_BT), jnp.asarray(self.prompt_len_B), jnp.asarray(self.max_new_B),
+                jax.random.key(seed))
+
+
+def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: SamplingConfig,
+            eos_token_id, max_len: int | None, extra: int) -> Request:
+    """Validate prompts and lengths (`extra` cache slots for a draft tree) and bucket the shapes."""
+    ids = prompt_ids(target, prompts)
+    cache_len = cache_length(target, ids, max_new_tokens, max_len, extra=extra)
+    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
+    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(max_new_tokens), cache_len,
+                    target.attn_impl)
+    return Request(ids, prompt_BT, prompt_len_B, max_new_B, lc)
+
+
+def finish(target: Target, req: Request, out_BO, count_B, steps, compile_s: float, run_s: float,
+           extra_stats: dict[str, Any], round_BO=None) -> GenerateOutput:
+    """Trim the output buffers to each row's tokens and assemble the statistics every call reports."""
+    count_B = np.asarray(count_B)
+    tokens = trim(np.asarray(out_BO), count_B, len(req.ids))
+    n = sum(len(t) for t in tokens)
+    stats = {"tokens_per_s": n / run_s, "compile_s": compile_s, "decode_s": run_s, "rounds": int(steps),
+             "generated_tokens": n, **extra_stats, "batch_bucket": req.prompt_BT.shape[0],
+             "cache_len": req.lc.cache_len}
+    rounds = None if round_BO is None else trim(np.asarray(round_BO), count_B, len(req.ids))
+    return GenerateOutput(tokens, stats, decode_texts(target, tokens), rounds)
+
+
 def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, drafter=None, num_draft_tokens: int | None = None,
              tree=None, eos_token_id: int | Sequence[int] | None = None, max_len: int | None = None
@@ -102,29 +142,18 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     prompts: list of token-id lists (ragged) or strings (needs the target's tokenizer).
     eos_token_id: overrides the config's EOS ids; [] disables stopping on EOS.
     """
+    sampling = SamplingConfig(temperature, top_k, top_p).validate()
     if drafter is not None:
         from .speculative import speculative_generate  # noqa: PLC0415 (speculative.py imports this module)
 
-        return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                    num_draft_tokens=num_draft_tokens, tree=tree, eos_token_id=eos_token_id,
-                                    max_len=max_len)
-    sampling = SamplingConfig(temperature, top_k, top_p).validate()
-    ids = prompt_ids(target, prompts)
-    cache_len = cache_length(target, ids, max_new_tokens, max_len, extra=0)
-    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
-    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(max_new_tokens), cache_len,
-                    target.attn_impl)
-    args = (target.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B), jnp.asarray(max_new_B),
-            jax.random.key(seed))
+        return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    seed=seed, num_draft_tokens=num_draft_tokens, tree=tree,
+                                    eos_token_id=eos_token_id, max_len=max_len)
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, extra=0)
     (out_BO, count_B, steps), compile_s, run_s = run_compiled(
-        target, ("ar", lc, prompt_BT.shape), ar_generate, args, {"lc": lc})
-    tokens = trim(np.asarray(out_BO), np.asarray(count_B), len(ids))
-    n = sum(len(t) for t in tokens)
-    stats = {"tokens_per_s": n / run_s, "compile_s": compile_s, "decode_s": run_s, "rounds": int(steps),
-             "generated_tokens": n, "acceptance_length": 1.0, "drafter_calls": 0,
-             "batch_bucket": prompt_BT.shape[0], "cache_len": cache_len}
-    return GenerateOutput(tokens, stats, decode_texts(target, tokens))
+        target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays(seed)), {"lc": req.lc})
+    return finish(target, req, out_BO, count_B, steps, compile_s, run_s,
+                  {"acceptance_length": 1.0, "drafter_calls": 0})
 
 
 def eos_ids(target: Target, override: int | Sequence[int] | None) -> tuple[int, ...]:

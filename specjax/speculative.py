@@ -19,10 +19,9 @@ from jax import lax
 
 from .cache import commit, init_cache
 from .config import SamplingConfig
-from .decode import LoopConfig, is_eos, prefill
+from .decode import LoopConfig, first_token_state, is_eos, prefill
 from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
-from .generate import (GenerateOutput, bucket, cache_length, decode_texts, eos_ids, pad_batch, prompt_ids,
-                       run_compiled, trim)
+from .generate import GenerateOutput, finish, prepare, run_compiled
 from .models.decoder import forward, lm_head
 from .sampling import choose_token
 from .target import Target
@@ -47,10 +46,8 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
     logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=features)
     root_B = choose_token(sub, logits_BV, lc.sampling)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
-    out_BO = jnp.zeros((b, lc.out_len), jnp.int32).at[:, 0].set(root_B)
-    round_BO = jnp.zeros((b, lc.out_len), jnp.int32)
-    count_B = jnp.minimum(max_new_B, 1)
-    done_B = (count_B >= max_new_B) | is_eos(root_B, lc.eos_ids)
+    out_BO, count_B, done_B = first_token_state(root_B, max_new_B, lc)
+    round_BO = jnp.zeros_like(out_BO)
     zeros_B = jnp.zeros((b,), jnp.int32)
     stats = (zeros_B, zeros_B, jnp.zeros((max_depth,), jnp.int32))
 
@@ -99,40 +96,24 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
 
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
-                         temperature: float, top_k: int, top_p: float, seed: int, num_draft_tokens: int | None,
-                         tree, eos_token_id, max_len: int | None) -> GenerateOutput:
+                         sampling: SamplingConfig, seed: int, num_draft_tokens: int | None, tree, eos_token_id,
+                         max_len: int | None) -> GenerateOutput:
     """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics."""
-    sampling = SamplingConfig(temperature, top_k, top_p).validate()
     spec = parse_tree(tree, num_draft_tokens)
     check_drafter_fits(drafter, target)
-    ids = prompt_ids(target, prompts)
-    cache_len = cache_length(target, ids, max_new_tokens, max_len, extra=spec.num_nodes)
-    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
-    out_len = bucket(max_new_tokens)
-    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), out_len, cache_len, target.attn_impl)
-    configured = drafter.configure(Settings(spec, sampling, cache_len, out_len))
-    args = (target.params, configured.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B),
-            jnp.asarray(max_new_B), jax.random.key(seed))
-    result, compile_s, run_s = run_compiled(target, ("spec", lc, configured, prompt_BT.shape), spec_generate, args,
-                                            {"lc": lc, "drafter": configured})
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, extra=spec.num_nodes)
+    configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
+    result, compile_s, run_s = run_compiled(
+        target, ("spec", req.lc, configured, req.prompt_BT.shape), spec_generate,
+        (target.params, configured.params, *req.arrays(seed)), {"lc": req.lc, "drafter": configured})
     out_BO, round_BO, count_B, steps, rounds_B, accepted_B, at_depth_D = (np.asarray(x) for x in result)
-    tokens = trim(out_BO, count_B, len(ids))
-    n_tokens = sum(len(t) for t in tokens)
-    rounds = int(rounds_B.sum())
-    stats = {
-        "tokens_per_s": n_tokens / run_s,
-        "compile_s": compile_s,
-        "decode_s": run_s,
-        "rounds": int(steps),
-        "generated_tokens": n_tokens,
-        "acceptance_length": 1.0 + float(accepted_B.sum()) / max(rounds, 1),
-        "per_position_acceptance": (at_depth_D / max(rounds, 1)).tolist(),
+    rounds = max(int(rounds_B.sum()), 1)
+    return finish(target, req, out_BO, count_B, steps, compile_s, run_s, {
+        "acceptance_length": 1.0 + float(accepted_B.sum()) / rounds,
+        "per_position_acceptance": (at_depth_D / rounds).tolist(),
         "drafter_calls": int(steps) * configured.calls_per_round(),
         "tree_nodes": spec.num_nodes,
-        "batch_bucket": prompt_BT.shape[0],
-        "cache_len": cache_len,
-    }
-    return GenerateOutput(tokens, stats, decode_texts(target, tokens), trim(round_BO, count_B, len(ids)))
+    }, round_BO)
 
 
 def check_drafter_fits(drafter: Drafter, target: Target) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
