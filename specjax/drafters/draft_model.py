@@ -99,8 +99,8 @@ class DraftModelDrafter:
         tree = self.settings.tree
         b, n = root_B.shape[0], tree.num_nodes
         # Run [prev, tree nodes]: prev (position L-1) is every node's ancestor, node i lands at L + i.
+        # The root's parent -1 shifts to 0, which is prev.
         ext_parents_BT = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), spec_arrays(tree, b) + 1], axis=1)
-        ext_parents_BT = ext_parents_BT.at[:, 1].set(0)
         mask_BTT = ancestor_mask(ext_parents_BT)
         positions_BT = (cache.lengths - 1)[:, None] + depths(mask_BTT)
         parent_idx = jnp.asarray([max(p, 0) + 1 for p in tree.parents], jnp.int32)  # parent's row in [prev, nodes]
