@@ -16,7 +16,7 @@ from jax import lax
 
 from .cache import KVCache, init_cache
 from .config import ModelConfig, SamplingConfig
-from .models.decoder import forward, lm_head
+from .models.decoder import forward, has_layer_list, lm_head
 from .sampling import choose_token
 
 
@@ -64,7 +64,7 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
     """
     b = prompt_BT.shape[0]
     key, sub = jax.random.split(key)
-    cache = init_cache(lc.model, b, lc.cache_len)
+    cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
     logits_BV, _, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B)
     tok_B = choose_token(sub, logits_BV, lc.sampling)
     out_BO, count_B, done_B = first_token_state(tok_B, max_new_B, lc)

@@ -22,7 +22,7 @@ from .config import SamplingConfig
 from .decode import LoopConfig, first_token_state, is_eos, prefill
 from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
 from .generate import GenerateOutput, finish, prepare, run_compiled
-from .models.decoder import forward, lm_head
+from .models.decoder import forward, has_layer_list, lm_head
 from .sampling import choose_token
 from .target import Target
 from .tree import ancestor_mask, depths, parse_tree
@@ -42,7 +42,7 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
     max_depth = drafter.settings.tree.max_depth
     features = drafter.feature_layers
     key, sub = jax.random.split(key)
-    cache = init_cache(lc.model, b, lc.cache_len)
+    cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
     logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=features)
     root_B = choose_token(sub, logits_BV, lc.sampling)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,3 +89,26 @@ def test_legacy_config_fields_load_identically(family_pair, tmp_path):
         cfg["rope_scaling"] = rope
     (path / "config.json").write_text(json.dumps(cfg))
     assert specjax.load(path).cfg == target.cfg
+
+
+def test_param_and_cache_layouts_agree(family_pair):
+    """Stacked params under scan (accelerators), per-layer params with a stacked cache, and per-layer
+    params with per-layer cache buffers (CPU) give the same logits and the same cache contents."""
+    from specjax.cache import commit
+    from specjax.models.decoder import stacked_layers
+
+    _, _, target = family_pair
+    cfg = target.cfg
+    stacked = {**target.params, "layers": stacked_layers(target.params)}
+    tokens = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, size=(2, 9)), jnp.int32)
+    results = []
+    for params, per_layer in ((stacked, False), (target.params, False), (target.params, True)):
+        h, _, cache = forward(params, cfg, tokens, init_cache(cfg, 2, 16, per_layer=per_layer), attn_impl="xla")
+        path = jnp.asarray([[0, 2, 5, 0], [0, 1, 2, 3]], jnp.int32)
+        cache = commit(cache, path, jnp.asarray([3, 4], jnp.int32))
+        results.append((np.asarray(h), np.stack([np.asarray(x) for x in jax.tree.leaves(cache.k)]).reshape(-1),
+                        np.asarray(cache.lengths)))
+    for h, k, lengths in results[1:]:
+        np.testing.assert_allclose(h, results[0][0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(k, results[0][1], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(lengths, results[0][2])

@@ -19,7 +19,7 @@ from jax import lax
 
 from ..cache import KVCache, commit, init_cache
 from ..config import ModelConfig
-from ..models.decoder import forward, lm_head
+from ..models.decoder import forward, has_layer_list, lm_head
 from ..sampling import sample_rows, sampling_logprobs
 from ..tree import ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
@@ -48,7 +48,7 @@ class DraftModelDrafter:
 
     def init(self, params, ctx: PrefillContext):
         b = ctx.prompt.shape[0]
-        cache = init_cache(self.cfg, b, self.settings.cache_len)
+        cache = init_cache(self.cfg, b, self.settings.cache_len, per_layer=has_layer_list(params))
         _, _, cache = forward(params, self.cfg, ctx.prompt, cache, attn_impl=self.attn_impl)
         prev_B = jnp.take_along_axis(ctx.prompt, (ctx.prompt_len - 1)[:, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), prev_B

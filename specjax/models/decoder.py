@@ -88,8 +88,9 @@ def attn_out_and_mlp(cfg: ModelConfig, p: dict, h_BTD: jax.Array, o_BTHD: jax.Ar
     return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
 
 
-def _layer(cfg: ModelConfig, p: dict, layer: jax.Array, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
+def _layer(cfg: ModelConfig, p: dict, layer: jax.Array | None, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
            mask_BTT, inv_freq, attn_impl: str):
+    """One layer; k/v_cache are the stacked cache (with `layer`) or this layer's own buffers (layer None)."""
     q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
     k_cache = write_layer(k_cache, layer, k_BTKD, lengths_B)
     v_cache = write_layer(v_cache, layer, v_BTKD, lengths_B)
@@ -130,22 +131,37 @@ def forward(
     captured_CBTD = jnp.zeros((len(capture), b, t, cfg.hidden_size), h_BTD.dtype)
     capture_ids = jnp.asarray(capture, jnp.int32)
 
+    def keep(captured, layer, h):
+        """Record h as the hidden state entering `layer` if it was asked for."""
+        if not capture:
+            return captured
+        return jnp.where((capture_ids == layer)[:, None, None, None], h[None], captured)
+
     def body(carry, xs):
         h, k_cache, v_cache, captured = carry
         p, layer = xs
-        if capture:
-            captured = jnp.where((capture_ids == layer)[:, None, None, None], h[None], captured)
+        captured = keep(captured, layer, h)
         h, k_cache, v_cache = _layer(cfg, p, layer, h, k_cache, v_cache, lengths_B, positions_BT, mask_BTT,
                                      inv_freq, attn_impl)
         return (h, k_cache, v_cache, captured), None
 
-    carry = (h_BTD, cache.k, cache.v, captured_CBTD)
-    if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (see unstack_layers): unrolled
+    if isinstance(cache.k, tuple):  # per-layer cache buffers: each layer reads and writes its own
+        if not has_layer_list(params):
+            raise ValueError("a per-layer KV cache needs per-layer params (models.decoder.unstack_layers)")
+        k, v = list(cache.k), list(cache.v)
         for i, p in enumerate(params["layers"]):
-            carry, _ = body(carry, (p, jnp.int32(i)))
+            captured_CBTD = keep(captured_CBTD, i, h_BTD)
+            h_BTD, k[i], v[i] = _layer(cfg, p, None, h_BTD, k[i], v[i], lengths_B, positions_BT, mask_BTT,
+                                       inv_freq, attn_impl)
+        k, v = tuple(k), tuple(v)
     else:
-        carry, _ = lax.scan(body, carry, (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-    h_BTD, k, v, captured_CBTD = carry
+        carry = (h_BTD, cache.k, cache.v, captured_CBTD)
+        if has_layer_list(params):  # per-layer arrays, stacked cache: unrolled
+            for i, p in enumerate(params["layers"]):
+                carry, _ = body(carry, (p, jnp.int32(i)))
+        else:
+            carry, _ = lax.scan(body, carry, (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        h_BTD, k, v, captured_CBTD = carry
     if capture:
         captured_CBTD = jnp.where((capture_ids == cfg.num_layers)[:, None, None, None], h_BTD[None], captured_CBTD)
     out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
@@ -160,18 +176,23 @@ def unstack_layers(params: dict) -> dict:
     separate arrays are read in place. On accelerators keep the stacked layout, the usual
     one there: the scan keeps compile time flat in depth.
     """
-    stacked = params["layers"]
-    if isinstance(stacked, (list, tuple)):
+    if has_layer_list(params):
         return params
+    stacked = params["layers"]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     layers = tuple(jax.tree.map(lambda x: x[i], stacked) for i in range(num_layers))
     return {**params, "layers": layers}
 
 
+def has_layer_list(params: dict) -> bool:
+    """True when params hold per-layer arrays (the CPU layout); loops then give them a per-layer cache too."""
+    return isinstance(params["layers"], (list, tuple))
+
+
 def stacked_layers(params: dict) -> dict:
     """The layer weights stacked on a leading axis, whichever layout params are in."""
     layers = params["layers"]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if isinstance(layers, (list, tuple)) else layers
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if has_layer_list(params) else layers
 
 
 def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
