@@ -2,29 +2,56 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
 from .reference import tree_attention_reference
-from .tree_attention import BlockPlan, plan_blocks, tree_attention
+from .tree_attention import BlockPlan, kernel_unsupported_reason, plan_blocks, tree_attention
 
-__all__ = ["attention", "tree_attention", "tree_attention_reference", "plan_blocks", "BlockPlan"]
+__all__ = ["attention", "tree_attention", "tree_attention_reference", "plan_blocks", "BlockPlan",
+           "kernel_unsupported_reason"]
 
 IMPLS = ("auto", "xla", "pallas")
+logger = logging.getLogger("specjax")
+_warned_reasons: set[str] = set()  # fallback reasons already logged (once each per process)
+
+
+def on_gpu() -> bool:
+    """Is JAX's default backend a GPU? (One function so tests can pretend it is.)"""
+    return jax.default_backend() == "gpu"
+
+
+def _warn_fallback_once(reason: str) -> None:
+    """Log why impl="auto" fell back to the XLA reference, once per distinct reason."""
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        logger.warning("attention impl='auto': using the XLA reference, not the Pallas kernel: %s",
+                       reason)
 
 
 def attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, impl: str = "auto",
               sm_scale=None, layer=None, finite_cache=False):
     """Tree attention through the chosen implementation; one signature for all of them.
 
-    impl="auto": the Pallas kernel when JAX's default backend is a GPU, else the XLA reference.
-    impl="pallas" off GPU runs the kernel in interpret mode (slow; for tests).
-    finite_cache: see tree_attention_reference (the kernel never reads past lengths + N anyway).
+    impl="auto": the Pallas kernel on a GPU when the shapes suit it (head_dim a power of 2
+    >= 16, S a multiple of 16), else the XLA reference (on GPU with a one-time warning).
+    impl="pallas" raises ValueError on unsuitable shapes; off GPU it runs the kernel in
+    interpret mode (slow; for tests).
+    finite_cache: see tree_attention_reference (the kernel never reads past
+    min(lengths + N, S) anyway).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "xla" or (impl == "auto" and not on_gpu):
+    gpu = on_gpu()
+    use_kernel = impl == "pallas" or (impl == "auto" and gpu)
+    if impl == "auto" and gpu:
+        reason = kernel_unsupported_reason(head_dim=q_BNHD.shape[-1], max_len=k_BSKD.shape[-3])
+        if reason is not None:
+            _warn_fallback_once(reason)
+            use_kernel = False
+    if not use_kernel:
         return tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN,
                                         sm_scale=sm_scale, layer=layer, finite_cache=finite_cache)
     return tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, sm_scale=sm_scale,
-                          layer=layer, interpret=not on_gpu)
+                          layer=layer, interpret=not gpu)

@@ -1,9 +1,12 @@
 """Pure-XLA tree-verification attention: the CPU production path and the kernel's oracle.
 
 Semantics (shared with the Pallas kernel in tree_attention.py): row b holds lengths[b] cached
-prefix tokens; the N new tokens sit at positions lengths[b] .. lengths[b]+N-1 of the cache.
-Query i sees every prefix position and new token j iff mask[b, i, j]. Nothing at positions
->= lengths[b]+N is ever allowed to reach the result (it may hold NaN).
+prefix tokens (0 <= lengths[b] <= S); the N new tokens sit at positions lengths[b] .. lengths[b]+N-1
+of the cache. Query i sees every prefix position and new token j iff mask[b, i, j]. Nothing at
+positions >= lengths[b]+N is ever allowed to reach the result (it may hold NaN).
+Cache positions >= S do not exist: when lengths[b] + N > S, new token j with lengths[b] + j >= S
+was never written (the model writes with mode="drop") and is invisible to every query. A query
+that sees nothing at all (no prefix, no visible new token) gets zeros.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_
     """Tree attention with XLA einsums over the whole cache and a validity mask.
 
     Same signature as `tree_attention` (block_k and interpret are accepted and ignored).
+    Only positions 0..S-1 are scored, so new tokens past the end of the cache are invisible,
+    and the guarded denominator gives zeros for a query that sees nothing.
     GQA reshapes q to [B, N, Hkv, G, D] so K/V are never repeated; softmax is fp32.
     finite_cache=True promises nothing past lengths + N is NaN/inf (true of specjax's own
     zero-initialized caches) and skips masking V, a full copy of V per call (at S = 16k,

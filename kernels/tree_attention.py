@@ -3,12 +3,15 @@
 One program per (block of packed query rows, KV split, batch row, kv head). The G query heads
 that share a kv head and the N new tokens are packed into the matrix M dimension (row
 m = n * G + g), so each K/V block is read once per kv head and feeds an [M, block_k] dot.
-Per row the KV loop runs only over blocks below lengths[b] + N (cost follows the real prefix,
-not max_len) and splits into two phases:
+Per row the KV loop runs only over blocks below end[b] = min(lengths[b] + N, S) (cost follows
+the real prefix, not max_len; never a block past the cache, whatever lengths the caller passes)
+and splits into two phases:
   prefix blocks, entirely below lengths[b]: no masking at all;
-  tail blocks, the (at most `tail_blocks`) blocks holding lengths[b] .. lengths[b]+N-1:
-    K/V rows past lengths[b]+N are not loaded (masked load, zero fill) and scores use a
+  tail blocks, the (at most `tail_blocks`) blocks holding lengths[b] .. end[b]-1:
+    K/V rows at or past end[b] are not loaded (masked load, zero fill) and scores use a
     precomputed visibility mask (prefix | tree ancestor) laid out on that block-aligned window.
+Cache positions >= S do not exist (the model drops writes there): a new token whose slot
+lengths[b] + j is >= S is invisible to every query, exactly as in the XLA reference.
 With num_splits > 1 each program handles a contiguous share of the row's blocks and writes
 unnormalised partials (o, running max, running sum) that XLA merges (flash-decoding split-K),
 so a single long row still fills the GPU.
@@ -42,6 +45,20 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
+def kernel_unsupported_reason(*, head_dim: int, max_len: int) -> str | None:
+    """Why the kernel cannot run these shapes (None if it can): Triton dots need dims >= 16.
+
+    The one check shared by plan_blocks (which raises it) and attention(impl="auto") (which
+    falls back to the XLA reference on it).
+    """
+    if not _is_pow2(head_dim) or head_dim < MIN_DOT_DIM:
+        return f"head_dim must be a power of 2 >= {MIN_DOT_DIM} (e.g. 64, 128); got {head_dim}"
+    if max_len % MIN_DOT_DIM != 0:
+        return (f"the cache length S={max_len} must be a multiple of {MIN_DOT_DIM} for the "
+                "Pallas kernel; allocate the cache with a rounded-up max_len")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
     """Static tiling of one tree_attention call (all dims of every dot are >= 16, powers of 2)."""
@@ -72,12 +89,9 @@ def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len:
     that divides max_len, so max_len must be a multiple of 16. num_splits=None picks a split
     that gives about two programs per SM while keeping >= 2 blocks per split at full length.
     """
-    if not _is_pow2(head_dim) or head_dim < MIN_DOT_DIM:
-        raise ValueError(f"head_dim must be a power of 2 >= {MIN_DOT_DIM} (e.g. 64, 128); "
-                         f"got {head_dim}")
-    if max_len % MIN_DOT_DIM != 0:
-        raise ValueError(f"the cache length S={max_len} must be a multiple of {MIN_DOT_DIM} "
-                         "for the Pallas kernel; allocate the cache with a rounded-up max_len")
+    reason = kernel_unsupported_reason(head_dim=head_dim, max_len=max_len)
+    if reason is not None:
+        raise ValueError(reason)
     rows = num_new * group
     if rows <= MAX_BLOCK_M:
         block_m = max(MIN_DOT_DIM, _next_pow2(rows))
@@ -103,8 +117,20 @@ def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len:
                      num_splits=num_splits, num_warps=4, num_stages=2)
 
 
+def _kv_extent(length, *, num_new: int, max_len: int, block_k: int):
+    """(end, num_blocks): readable positions are < end = min(length + N, S), in num_blocks blocks.
+
+    num_blocks is clamped to [0, S // block_k] so no caller-supplied length can make the
+    kernel read a block outside the cache (positions >= S do not exist).
+    """
+    end = jnp.minimum(length + num_new, max_len)
+    num_blocks = lax.div(jnp.maximum(end, 0) + block_k - 1, block_k)
+    return end, jnp.minimum(num_blocks, max_len // block_k)
+
+
 def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref, *out_refs,
-                           scale_log2: float, num_new: int, block_k: int, num_splits: int):
+                           scale_log2: float, num_new: int, block_k: int, num_splits: int,
+                           dot_precision):
     """One (M block, split, row b, kv head): online softmax over this split's KV blocks.
 
     Refs: lengths [B], layer [1], q [block_m, D], k/v [L, S, D] (row b, kv head already
@@ -115,8 +141,9 @@ def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref,
     length = lengths_ref[b]
     layer = layer_ref[0]
     block_m, head_dim = q_ref.shape
+    max_len = k_ref.shape[1]
 
-    num_blocks = lax.div(length + num_new + block_k - 1, block_k)  # blocks to read
+    end, num_blocks = _kv_extent(length, num_new=num_new, max_len=max_len, block_k=block_k)
     first_tail = lax.div(length, block_k)  # first block that is not entirely prefix
     per_split = lax.div(num_blocks + num_splits - 1, num_splits)
     lo = split * per_split
@@ -126,7 +153,8 @@ def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref,
 
     def update(carry, k, v, visible):
         o, m, l = carry
-        s = plgpu.dot(q, k, trans_b=True) * scale_log2  # [block_m, block_k] fp32, log2 domain
+        # [block_m, block_k] fp32, log2 domain
+        s = plgpu.dot(q, k, trans_b=True, precision=dot_precision) * scale_log2
         if visible is not None:
             s = jnp.where(visible, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -135,7 +163,7 @@ def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref,
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
         l_new = alpha * l + jnp.sum(p, axis=1)
-        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=dot_precision)
         return o_new, m_new, l_new
 
     def prefix_body(kb, carry):
@@ -148,7 +176,7 @@ def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref,
         start = pl.multiple_of(kb * block_k, block_k)
         kv_slice = pl.ds(start, block_k)
         pos = start + jnp.arange(block_k, dtype=jnp.int32)
-        readable = jnp.broadcast_to((pos < length + num_new)[:, None], (block_k, head_dim))
+        readable = jnp.broadcast_to((pos < end)[:, None], (block_k, head_dim))
         k = plgpu.load(k_ref.at[layer, kv_slice, :], mask=readable, other=0.0)
         v = plgpu.load(v_ref.at[layer, kv_slice, :], mask=readable, other=0.0)
         vis_start = pl.multiple_of((kb - first_tail) * block_k, block_k)
@@ -174,17 +202,27 @@ def _tree_attention_kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, vis_ref,
         l_ref[...] = l
 
 
-def _window_visibility(lengths_B, mask_BNN, plan: BlockPlan, group: int):
+def _dot_precision(dtype):
+    """HIGHEST (IEEE fp32 dots) for fp32 inputs; Triton's default lowers to TF32 on Hopper/Ampere.
+
+    bf16 keeps the default (None): its dots are exact-input bf16 MMAs either way.
+    """
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _window_visibility(lengths_B, mask_BNN, plan: BlockPlan, group: int, max_len: int):
     """int8 [B, m_pad, tail_width]: visibility on the block-aligned window of each row's tail.
 
     The window starts at block floor(lengths/block_k), exactly where the kernel's tail phase
-    starts; rows are the packed (n, g) query rows, padded rows see nothing.
+    starts; rows are the packed (n, g) query rows, padded rows see nothing. Near the end of
+    the cache the window runs past S: those columns are never read (the kernel stops at
+    block S // block_k) and are set invisible anyway, since positions >= S do not exist.
     """
     batch, num_new, _ = mask_BNN.shape
     lengths_B = lengths_B.astype(jnp.int32)
     window_start_B = (lengths_B // plan.block_k) * plan.block_k
     pos_BW = window_start_B[:, None] + jnp.arange(plan.tail_width, dtype=jnp.int32)[None]
-    vis_BNW = visibility(lengths_B, mask_BNN, pos_BW)
+    vis_BNW = visibility(lengths_B, mask_BNN, pos_BW) & (pos_BW < max_len)[:, None, :]
     vis_BMW = jnp.broadcast_to(vis_BNW[:, :, None, :],
                                (batch, num_new, group, plan.tail_width))
     vis_BMW = vis_BMW.reshape(batch, num_new * group, plan.tail_width)
@@ -200,7 +238,11 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
 
     q [B, N, Hq, D]; k/v [B, S, Hkv, D] or the stacked [L, B, S, Hkv, D] with `layer` (int32
     scalar, may be traced): the kernel indexes the layer itself, no slice of the cache is made.
-    lengths int32 [B]; mask bool [B, N, N]. Returns [B, N, Hq, D] in q's dtype.
+    lengths int32 [B], each in 0..S; mask bool [B, N, N]. Returns [B, N, Hq, D] in q's dtype.
+    lengths + N may exceed S: new tokens whose slot is >= S do not exist in the cache and are
+    invisible (as in the reference); a query that sees nothing at all gets zeros. The kernel
+    never reads outside the cache, whatever lengths holds.
+    fp32 inputs use full-fp32 dots (no TF32); bf16 dots keep Triton's default.
     S must be a multiple of 16; block_k (default 128 or 64) shrinks to a power of 2 dividing S.
     num_splits: programs per row's KV range (None: sized to fill the GPU; see plan_blocks).
     """
@@ -222,7 +264,7 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
     q_BKMD = q_BNHD.reshape(batch, num_new, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q_BKMD = q_BKMD.reshape(batch, kv_heads, rows, head_dim)
     q_BKMD = jnp.pad(q_BKMD, ((0, 0), (0, 0), (0, plan.m_pad - rows), (0, 0)))
-    vis_BMW = _window_visibility(lengths_B, mask_BNN, plan, group)
+    vis_BMW = _window_visibility(lengths_B, mask_BNN, plan, group, max_len)
     lengths_B = lengths_B.astype(jnp.int32)
     layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
 
@@ -254,7 +296,8 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
             pl.BlockSpec((None, None, None, bm), lambda i, s, b, h: (s, b, h, i)),
         ]
     kernel = functools.partial(_tree_attention_kernel, scale_log2=scale * LOG2_E,
-                               num_new=num_new, block_k=plan.block_k, num_splits=splits)
+                               num_new=num_new, block_k=plan.block_k, num_splits=splits,
+                               dot_precision=_dot_precision(q_BNHD.dtype))
     outs = pl.pallas_call(
         kernel,
         grid=grid,

@@ -277,7 +277,10 @@ def stage_export(args, splits, streams, tok, target_params, draft_params, log, w
         },
         "held_out_prompts": prompts,
         "target_greedy_continuations": [tok.decode(o) for o in outs],
+        "target_continuation_distinct_4gram_ratio": float(np.mean([tiny.distinct_ngram_ratio(o) for o in outs])),
     }
+    log(f"distinct-4-gram ratio of the target's continuations: "
+        f"{manifest['target_continuation_distinct_4gram_ratio']:.3f}")
     measured = measure_tau(out, [p["text"] for p in prompts], args)
     if measured is not None:
         manifest["acceptance"].update(measured)

@@ -4,6 +4,11 @@ A converted checkpoint directory holds `config.json` (the HF config, unchanged),
 `specjax.json` (format marker and dtype), `params/` (orbax) and the tokenizer files.
 Saving is atomic: everything is written to a temporary sibling directory that is
 renamed into place at the end, so a failed save leaves nothing at the destination.
+Overwriting keeps the old checkpoint until the new one is complete: the old directory
+is renamed to a backup sibling, the new one renamed into place, then the backup deleted
+(or renamed back if the second rename fails). Only a crash between the two renames
+leaves no directory at the destination, and then the old checkpoint is intact in
+`.{name}.old-*` beside it.
 """
 
 from __future__ import annotations
@@ -42,13 +47,40 @@ def save(dst: Path, params, hf_config: dict, *, dtype: str, extra_files: dict[st
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", jax.tree.map(jax.numpy.asarray, params))
         checkpointer.wait_until_finished()
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+        _replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _replace(new: Path, dst: Path) -> None:
+    """Move the finished directory `new` to `dst`; an existing `dst` survives until that has succeeded."""
+    if not dst.exists() and not dst.is_symlink():
+        _rename(new, dst)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    backup.rmdir()  # a fresh unique name; rename needs it absent
+    _rename(dst, backup)
+    try:
+        _rename(new, dst)
+    except BaseException:
+        _rename(backup, dst)
+        raise
+    _remove(backup)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One atomic rename (a seam for tests that simulate a crash)."""
+    src.rename(dst)
+
+
+def _remove(path: Path) -> None:
+    """Delete a replaced checkpoint: a directory tree, or a file or link that stood at the destination."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def restore(path: Path) -> tuple[dict, dict, dict]:

@@ -88,13 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a user error (bad path, bad file, bad option) is one line on stderr and exit code 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"specjax {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(f"specjax {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message with any line breaks folded into spaces (some libraries' messages span lines)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

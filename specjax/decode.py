@@ -17,7 +17,7 @@ from jax import lax
 from .cache import KVCache, init_cache
 from .config import ModelConfig, SamplingConfig
 from .models.decoder import forward, has_layer_list, lm_head
-from .sampling import choose_token
+from .sampling import choose_token, row_keys, split_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +56,18 @@ def first_token_state(tok_B: jax.Array, max_new_B: jax.Array, lc: LoopConfig):
 
 @partial(jax.jit, static_argnames=("lc",))
 def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
-                key: jax.Array, *, lc: LoopConfig):
+                seeds_B: jax.Array, fold_B: jax.Array, *, lc: LoopConfig):
     """Generate up to max_new_B[b] tokens per row. Returns (tokens [B, out_len], counts [B], steps).
 
+    Row b samples with its own key stream from (seeds_B[b], fold_B[b]) (see request.row_seeds).
     The cache is allocated inside the jit and carried through the loop, so it never
     crosses the jit boundary: XLA updates it in place with nothing to copy or donate.
     """
     b = prompt_BT.shape[0]
-    key, sub = jax.random.split(key)
+    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
     cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
     logits_BV, _, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B)
-    tok_B = choose_token(sub, logits_BV, lc.sampling)
+    tok_B = choose_token(sub_B, logits_BV, lc.sampling)
     out_BO, count_B, done_B = first_token_state(tok_B, max_new_B, lc)
 
     def cond(state):
@@ -74,18 +75,18 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
         return (step < lc.out_len) & ~jnp.all(done_B)
 
     def body(state):
-        step, cache, tok_B, out_BO, count_B, done_B, key = state
-        key, sub = jax.random.split(key)
+        step, cache, tok_B, out_BO, count_B, done_B, keys_B = state
+        keys_B, sub_B = split_rows(keys_B, 2)
         h_B1D, _, cache = forward(params, lc.model, tok_B[:, None], cache, attn_impl=lc.attn_impl)
         # Finished rows keep computing (fixed shapes) but stop advancing.
         cache = KVCache(cache.k, cache.v, cache.lengths + (~done_B).astype(jnp.int32))
-        new_B = choose_token(sub, lm_head(params, lc.model, h_B1D)[:, 0], lc.sampling)
+        new_B = choose_token(sub_B, lm_head(params, lc.model, h_B1D)[:, 0], lc.sampling)
         new_B = jnp.where(done_B, tok_B, new_B)
         out_BO = out_BO.at[jnp.arange(b), jnp.where(done_B, lc.out_len, count_B)].set(new_B, mode="drop")
         count_B = count_B + (~done_B).astype(jnp.int32)
         done_B = done_B | (count_B >= max_new_B) | is_eos(new_B, lc.eos_ids)
-        return step + 1, cache, new_B, out_BO, count_B, done_B, key
+        return step + 1, cache, new_B, out_BO, count_B, done_B, keys_B
 
-    state = (jnp.int32(1), cache, tok_B, out_BO, count_B, done_B, key)
+    state = (jnp.int32(1), cache, tok_B, out_BO, count_B, done_B, keys_B)
     steps, _, _, out_BO, count_B, _, _ = lax.while_loop(cond, body, state)
     return out_BO, count_B, steps

@@ -21,99 +21,92 @@ from .cache import commit, init_cache
 from .config import SamplingConfig
 from .decode import LoopConfig, first_token_state, is_eos, prefill
 from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
-from .generate import GenerateOutput, finish, prepare, run_compiled
 from .models.decoder import forward, has_layer_list, lm_head
-from .sampling import choose_token
+from .request import GenerateOutput, finish, prepare, run_compiled
+from .sampling import choose_token, row_keys, split_rows
+from .stats import SpecStats, record_round, summarize
 from .target import Target
-from .tree import ancestor_mask, depths, parse_tree
+from .tree import TreeSpec, ancestor_mask, depths
 from .verify import Verdict, verify
 
 
 @partial(jax.jit, static_argnames=("lc", "drafter"))
 def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
-                  key: jax.Array, *, lc: LoopConfig, drafter: Drafter):
+                  seeds_B: jax.Array, fold_B: jax.Array, *, lc: LoopConfig, drafter: Drafter):
     """Speculative decoding of up to max_new_B[b] tokens per row.
 
+    Row b draws from its own key stream (seeds_B[b], fold_B[b]), for drafting and verifying alike.
     Returns (tokens [B, out_len], the round that emitted each token [B, out_len] (0 = prefill),
-    counts [B], rounds, active_rounds [B], accepted_drafts [B], accepted_at_depth [max_depth]).
+    counts [B], SpecStats).
     """
     b = prompt_BT.shape[0]
-    n = drafter.settings.tree.num_nodes
-    max_depth = drafter.settings.tree.max_depth
+    tree = drafter.settings.tree
+    n = tree.num_nodes
     features = drafter.feature_layers
-    key, sub = jax.random.split(key)
+    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
     cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
     logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=features)
-    root_B = choose_token(sub, logits_BV, lc.sampling)
+    root_B = choose_token(sub_B, logits_BV, lc.sampling)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
     out_BO, count_B, done_B = first_token_state(root_B, max_new_B, lc)
     round_BO = jnp.zeros_like(out_BO)
-    zeros_B = jnp.zeros((b,), jnp.int32)
-    stats = (zeros_B, zeros_B, jnp.zeros((max_depth,), jnp.int32))
+    stats = SpecStats.zeros(b, tree.max_depth, n)
 
     def cond(state):
         step, _, _, _, _, _, done_B, _, _, _ = state
         return (step < lc.out_len) & ~jnp.all(done_B)
 
     def body(state):
-        step, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats = state
-        rounds_B, accepted_B, at_depth_D = stats
-        key, k_draft, k_verify = jax.random.split(key, 3)
-        draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft)
+        step, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, keys_B, stats = state
+        keys_B, k_draft_B, k_verify_B = split_rows(keys_B, 3)
+        draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft_B)
         mask_BNN = ancestor_mask(draft.parents)
-        positions_BN = cache.lengths[:, None] + depths(mask_BNN)
+        depth_BN = depths(mask_BNN)
+        positions_BN = cache.lengths[:, None] + depth_BN
         h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
                                               mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
-        verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, k_verify)
+        verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, k_verify_B)
         active_B = ~done_B
-        num_kept_B = jnp.where(active_B, verdict.num_accepted, 0)
-        verdict = Verdict(verdict.path, num_kept_B, verdict.bonus)
+        verdict = Verdict(verdict.path, jnp.where(active_B, verdict.num_accepted, 0), verdict.bonus)
 
         # Emit accepted drafts + bonus, cut after the first EOS and at the row's budget.
         new_BN = accepted_tokens(draft, verdict)
         i_N = jnp.arange(n)
-        eos_BN = is_eos(new_BN, lc.eos_ids) & (i_N[None, :] < num_kept_B[:, None])
+        eos_BN = is_eos(new_BN, lc.eos_ids) & (i_N[None, :] < verdict.num_accepted[:, None])
         has_eos_B = jnp.any(eos_BN, axis=-1)
-        emit_B = jnp.where(has_eos_B, jnp.argmax(eos_BN, axis=-1) + 1, num_kept_B)
+        emit_B = jnp.where(has_eos_B, jnp.argmax(eos_BN, axis=-1) + 1, verdict.num_accepted)
         emit_B = jnp.minimum(emit_B, max_new_B - count_B)
         dst_BN = jnp.where(i_N[None, :] < emit_B[:, None], count_B[:, None] + i_N[None, :], lc.out_len)
         out_BO = out_BO.at[jnp.arange(b)[:, None], dst_BN].set(new_BN, mode="drop")
         round_BO = round_BO.at[jnp.arange(b)[:, None], dst_BN].set(step + 1, mode="drop")
         count_B = count_B + emit_B
         done_B = done_B | has_eos_B | (count_B >= max_new_B)
+        stats = record_round(stats, draft, depth_BN, verdict, active_B, emit_B, drafter.calls_per_round())
 
-        cache = commit(cache, verdict.path, num_kept_B)
+        cache = commit(cache, verdict.path, verdict.num_accepted)
         root_B = jnp.where(active_B, verdict.bonus, root_B)
         dstate = drafter.update(draft_params, dstate, draft, verdict, node_features)
-        drafts_B = jnp.maximum(num_kept_B - 1, 0)
-        at_depth_D = at_depth_D + jnp.sum(drafts_B[:, None] > jnp.arange(max_depth)[None, :], axis=0)
-        stats = (rounds_B + active_B, accepted_B + drafts_B, at_depth_D)
-        return step + 1, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats
+        return step + 1, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, keys_B, stats
 
-    state = (jnp.int32(0), cache, root_B, out_BO, round_BO, count_B, done_B, dstate, key, stats)
-    steps, _, _, out_BO, round_BO, count_B, _, _, _, stats = lax.while_loop(cond, body, state)
-    return (out_BO, round_BO, count_B, steps, *stats)
+    state = (jnp.int32(0), cache, root_B, out_BO, round_BO, count_B, done_B, dstate, keys_B, stats)
+    _, _, _, out_BO, round_BO, count_B, _, _, _, stats = lax.while_loop(cond, body, state)
+    return out_BO, round_BO, count_B, stats
 
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
-                         sampling: SamplingConfig, seed: int, num_draft_tokens: int | None, tree, eos_token_id,
+                         sampling: SamplingConfig, seed, spec: TreeSpec, eos_token_id,
                          max_len: int | None) -> GenerateOutput:
     """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics."""
-    spec = parse_tree(tree, num_draft_tokens)
     check_drafter_fits(drafter, target)
-    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, extra=spec.num_nodes)
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, draft_nodes=spec.num_nodes)
     configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
     result, compile_s, run_s = run_compiled(
         target, ("spec", req.lc, configured, req.prompt_BT.shape), spec_generate,
-        (target.params, configured.params, *req.arrays(seed)), {"lc": req.lc, "drafter": configured})
-    out_BO, round_BO, count_B, steps, rounds_B, accepted_B, at_depth_D = (np.asarray(x) for x in result)
-    rounds = max(int(rounds_B.sum()), 1)
-    return finish(target, req, out_BO, count_B, steps, compile_s, run_s, {
-        "acceptance_length": 1.0 + float(accepted_B.sum()) / rounds,
-        "per_position_acceptance": (at_depth_D / rounds).tolist(),
-        "drafter_calls": int(steps) * configured.calls_per_round(),
-        "tree_nodes": spec.num_nodes,
-    }, round_BO)
+        (target.params, configured.params, *req.arrays()), {"lc": req.lc, "drafter": configured})
+    out_BO, round_BO, count_B, stats = jax.tree.map(np.asarray, result)
+    summary = summarize(stats, len(req.ids))
+    return finish(target, req, out_BO, count_B, compile_s, run_s, {**summary, "tree_nodes": spec.num_nodes},
+                  round_BO, stats)
 
 
 def check_drafter_fits(drafter: Drafter, target: Target) -> None:

@@ -1,8 +1,15 @@
-"""A loaded target model: params on the device, its config, tokenizer, and compiled loops."""
+"""A loaded target model: params on the device, its config, tokenizer, and compiled loops.
+
+EOS ids follow transformers' `generate`: when the directory has a `generation_config.json`
+with an `eos_token_id` (Llama 3 and Qwen2.5 Instruct list their end-of-turn ids there), those
+ids replace config.json's. A generation_config.json without one leaves config.json's ids in
+place (transformers would then not stop at all; keeping the model's EOS is the safer reading).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +20,7 @@ from tokenizers import Tokenizer
 from . import checkpoint
 from .config import ModelConfig
 from .convert.hf import load_hf
-from .models.decoder import unstack_layers
+from .models.decoder import stacked_layers, unstack_layers
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,9 +32,10 @@ class Target:
     path: Path | None = None
     attn_impl: str = "auto"
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)  # loop key -> compiled executable
+    layout: str = "auto"  # "auto" | "stacked" | "per_layer": see serving_layout
 
     def __post_init__(self):
-        self.params = serving_layout(self.params)
+        self.params = serving_layout(self.params, self.layout)
 
     def encode(self, text: str) -> list[int]:
         return self._need_tokenizer().encode(text).ids
@@ -40,6 +48,25 @@ class Target:
             raise ValueError(f"{self.path or 'this model'} has no tokenizer.json; pass token-id lists, not strings")
         return self.tokenizer
 
+    def __repr__(self) -> str:
+        """One line of facts (not the weights and tokenizer the dataclass repr would dump)."""
+        path = f", path='{self.path}'" if self.path is not None else ""
+        return f"Target({model_summary(self.cfg, self.attn_impl)}{path})"
+
+
+def model_summary(cfg: ModelConfig, attn_impl: str) -> str:
+    """'family=llama, params=3.95M, dtype=float32, vocab=256, layers=3, attn_impl=auto': for one-line reprs."""
+    return (f"family={cfg.family}, params={format_count(cfg.num_params())}, dtype={cfg.dtype}, "
+            f"vocab={cfg.vocab_size}, layers={cfg.num_layers}, attn_impl={attn_impl}")
+
+
+def format_count(n: int) -> str:
+    """A parameter count to three significant digits with a K/M/B/T suffix: 3949056 -> '3.95M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale * 0.9995:  # 999,600 rounds up to '1M', not '1e+03K'
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
 
 def _check_dtype(dtype: str | None) -> None:
     if dtype not in (None, "float32", "bfloat16", "float16"):
@@ -51,11 +78,12 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
-def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto") -> Target:
+def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto") -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     dtype ("float32" | "bfloat16" | "float16") overrides the stored dtype.
     attn_impl: "xla", "pallas" or "auto" (Pallas on GPU, XLA elsewhere).
+    layout: "auto", "stacked" or "per_layer" (see serving_layout).
     """
     path = Path(path)
     if not path.exists():
@@ -71,12 +99,47 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto")
     else:
         hf_config, cfg, host_params = load_hf(path, dtype=dtype)
         params = jax.tree.map(jnp.asarray, host_params)
-    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl)
+    cfg = with_generation_eos(cfg, path)
+    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout)
 
 
-def serving_layout(params: dict) -> dict:
-    """Per-layer weight arrays on CPU (3x less memory traffic there), stacked layers elsewhere."""
-    return unstack_layers(params) if jax.default_backend() == "cpu" else params
+def with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """`cfg` with generation_config.json's EOS ids when it lists any (as transformers' generate uses them)."""
+    eos = generation_eos_ids(path / "generation_config.json")
+    return cfg if eos is None else dataclasses.replace(cfg, eos_token_ids=eos)
+
+
+def generation_eos_ids(file: Path) -> tuple[int, ...] | None:
+    """The `eos_token_id` (an int or a list) of a generation_config.json; None without the file or the key."""
+    if not file.is_file():
+        return None
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"{file}: not a JSON object ({err}); re-download it or delete it") from None
+    if eos is None:
+        return None
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+LAYOUTS = ("auto", "stacked", "per_layer")
+
+
+def serving_layout(params: dict, layout: str = "auto") -> dict:
+    """The layer layout the loops run: per-layer arrays and KV buffers, or stacked layers under `lax.scan`.
+
+    "auto": per-layer on CPU (XLA CPU copies a layer out of a stacked array: 3x the memory
+    traffic), stacked elsewhere (the accelerator path: scan, one stacked cache, the kernel
+    indexing the layer). "stacked" on CPU runs the GPU graph, for tests and lowering.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "auto":
+        layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"
+    return unstack_layers(params) if layout == "per_layer" else {**params, "layers": stacked_layers(params)}
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import SamplingConfig
-from .sampling import sample_rows, sampling_logprobs, uniform_rows
+from .sampling import sample_rows, sampling_logprobs, split_rows, uniform_rows
 
 
 @jax.tree_util.register_dataclass
@@ -72,12 +72,15 @@ def verify_greedy(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arra
 
 
 def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array, sampling: SamplingConfig,
-                   key: jax.Array) -> Verdict:
-    """Recursive rejection sampling over the tree in node order (children follow their parent)."""
+                   keys_B: jax.Array) -> Verdict:
+    """Recursive rejection sampling over the tree in node order (children follow their parent).
+
+    keys_B: one PRNG key per row, so a row's verdict depends on its own key only.
+    """
     b, n, _ = target_logits_BNV.shape
     p_BNV = jnp.exp(sampling_logprobs(target_logits_BNV, sampling))
-    u_key, bonus_key = jax.random.split(key)
-    u_BN = uniform_rows(u_key, (b, n))
+    u_keys_B, bonus_keys_B = split_rows(keys_B, 2)
+    u_BN = uniform_rows(u_keys_B, (b, n))
     rows = jnp.arange(b)
 
     def step(carry, j):
@@ -101,13 +104,13 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
         return (jnp.where(accept_B, j, cur_B), new_p_BV), None
 
     (last_B, p_BV), _ = lax.scan(step, (jnp.zeros((b,), jnp.int32), p_BNV[:, 0]), jnp.arange(1, n))
-    bonus_B = sample_rows(bonus_key, jnp.log(p_BV))
+    bonus_B = sample_rows(bonus_keys_B, jnp.log(p_BV))
     path_BN, length_B = path_to_node(mask_BNN, last_B)
     return Verdict(path_BN, length_B, bonus_B)
 
 
 def verify(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array, sampling: SamplingConfig,
-           key: jax.Array) -> Verdict:
+           keys_B: jax.Array) -> Verdict:
     if sampling.greedy:
         return verify_greedy(draft, mask_BNN, target_logits_BNV)
-    return verify_sampled(draft, mask_BNN, target_logits_BNV, sampling, key)
+    return verify_sampled(draft, mask_BNN, target_logits_BNV, sampling, keys_B)

@@ -252,3 +252,155 @@ def test_convert_script_fp32_default(hf_dir, hf_target, tmp_path):
     missing = run_convert_script(tmp_path / "nope", tmp_path / "ckpt2")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "ckpt2").exists()
+
+
+# ---------------------------------------------------------------- tensors the config does not account for
+
+
+def copy_with_tensors(src: Path, dst: Path, edit) -> Path:
+    """Copy an HF directory, rewriting model.safetensors through `edit(dict) -> dict`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file(edit(tensors), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def with_extra(**extra: np.ndarray):
+    """An `edit` that adds tensors."""
+    return lambda tensors: {**tensors, **extra}
+
+
+def test_qkv_biases_without_attention_bias_are_refused(hf_dir, tmp_path):
+    """Llama with attention_bias false: stored q/k/v biases would be silently dropped."""
+    bias = {f"model.layers.0.self_attn.{p}_proj.bias": np.ones((n,), np.float32)
+            for p, n in (("q", 32), ("k", 16), ("v", 16))}
+    src = copy_with_tensors(hf_dir, tmp_path / "hf", with_extra(**bias))
+    with pytest.raises(ValueError, match=r"3 tensor\(s\) the config does not account for: "
+                                         r"'model.layers.0.self_attn.k_proj.bias'.*'attention_bias' false"):
+        specjax.load(src)
+    with pytest.raises(ValueError, match=r"q_proj\.bias"):
+        specjax.convert(src, tmp_path / "out" / "ckpt")
+    assert leftovers(tmp_path / "out", "ckpt") == []
+
+
+def test_layer_beyond_num_hidden_layers_is_refused(hf_dir, tmp_path):
+    extra = {"model.layers.2.mlp.up_proj.weight": np.ones((64, 32), np.float32),
+             "model.layers.2.input_layernorm.weight": np.ones((32,), np.float32)}
+    src = copy_with_tensors(hf_dir, tmp_path / "hf", with_extra(**extra))
+    with pytest.raises(ValueError, match=r"'model.layers.2.input_layernorm.weight', 'model.layers.2.mlp.up_proj"
+                                         r".weight'.*layers up to 2 present but config.json 'num_hidden_layers' is 2"):
+        specjax.load(src)
+
+
+def test_tied_lm_head_equal_to_embedding_is_accepted(hf_dir, hf_target, tmp_path):
+    """transformers ties the two when both are stored and equal; specjax loads the same params."""
+    src = copy_with_tensors(hf_dir, tmp_path / "hf",
+                            lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].copy()})
+    assert specjax.load(src).cfg.tie_word_embeddings
+    assert_same_params(specjax.load(src).params, hf_target.params)
+
+
+def test_tied_lm_head_different_from_embedding_is_refused(hf_dir, tmp_path):
+    """The config says tied but the checkpoint has its own head: transformers 5 would untie, older ones ignore it."""
+    src = copy_with_tensors(hf_dir, tmp_path / "hf",
+                            lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"] + 1.0})
+    with pytest.raises(ValueError, match=r"'lm_head.weight'.*differs from 'model.embed_tokens.weight'.*"
+                                         r"'tie_word_embeddings' is true"):
+        specjax.load(src)
+
+
+def test_rotary_inv_freq_buffers_are_harmless(hf_dir, hf_target, tmp_path):
+    """Non-persistent RoPE buffers some exporters saved: specjax recomputes them from the config."""
+    inv = np.ones((4,), np.float32)
+    src = copy_with_tensors(hf_dir, tmp_path / "hf", with_extra(**{
+        "model.rotary_emb.inv_freq": inv, "model.layers.0.self_attn.rotary_emb.inv_freq": inv,
+        "model.layers.1.self_attn.rotary_emb.inv_freq": inv}))
+    assert_same_params(specjax.load(src).params, hf_target.params)
+
+
+@pytest.mark.parametrize("style", ["deepseek", "qwen3_next"])
+def test_mtp_tensors_are_refused_as_not_yet_supported(hf_dir, tmp_path, style):
+    if style == "deepseek":  # one extra layer at index num_hidden_layers with the MTP modules
+        names = ["model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "model.layers.2.eh_proj.weight",
+                 "model.layers.2.shared_head.norm.weight", "model.layers.2.self_attn.q_proj.weight"]
+    else:
+        names = ["mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"]
+    src = copy_with_tensors(hf_dir, tmp_path / "hf", with_extra(**{n: np.ones((4,), np.float32) for n in names}))
+    with pytest.raises(ValueError, match=rf"{len(names)} multi-token-prediction \(MTP\) tensor\(s\).*"
+                                         r"MTP tensors are not yet supported") as err:
+        specjax.load(src)
+    assert "does not account for" not in str(err.value)  # all recognised as MTP, nothing unknown
+    assert all(n in str(err.value) for n in names)
+
+
+def test_unaccounted_check_returns_names_for_the_caller():
+    """The check is split so a known family (MTP) can later be routed to its own reader."""
+    from specjax.config import ModelConfig
+    from specjax.convert.hf import split_known_extras, unaccounted_tensors
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=4)
+    tensors = {n: np.zeros((1,)) for n in ("a", "model.rotary_emb.inv_freq", "mtp.fc.weight", "used",
+                                           "model.layers.1.enorm.weight", "model.layers.1.mlp.up_proj.weight")}
+    leftover = unaccounted_tensors(tensors, {"used"}, cfg)
+    assert leftover == ["a", "model.layers.1.enorm.weight", "model.layers.1.mlp.up_proj.weight", "mtp.fc.weight"]
+    assert split_known_extras(leftover, cfg) == {
+        "mtp": ["model.layers.1.enorm.weight", "model.layers.1.mlp.up_proj.weight", "mtp.fc.weight"],
+        "unknown": ["a"]}
+
+
+def test_many_unaccounted_tensors_are_listed_briefly(hf_dir, tmp_path):
+    extra = {f"model.extra.{i:02d}.weight": np.ones((2,), np.float32) for i in range(20)}
+    src = copy_with_tensors(hf_dir, tmp_path / "hf", with_extra(**extra))
+    with pytest.raises(ValueError, match=r"20 tensor\(s\).*'model.extra.07.weight' and 12 more") as err:
+        specjax.load(src)
+    assert "model.extra.08" not in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- overwrite keeps the old checkpoint until the end
+
+
+def test_crash_while_swapping_in_the_new_checkpoint_keeps_the_old(hf_dir, hf_target, tmp_path, monkeypatch):
+    """Renaming the finished new checkpoint into place fails: the old one must still be at dst, intact."""
+    dst = specjax.convert(hf_dir, tmp_path / "ckpt")
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self.name.startswith(".ckpt.tmp-") and Path(target).name == "ckpt":
+            raise OSError("crash while renaming (simulated)")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="simulated"):
+        specjax.convert(hf_dir, dst, dtype="bfloat16", overwrite=True)
+    monkeypatch.undo()
+    assert leftovers(tmp_path, "ckpt") == ["ckpt"]
+    assert specjax.load(dst).cfg.dtype == "float32"
+    assert_same_params(specjax.load(dst).params, hf_target.params)
+
+
+def test_overwrite_replaces_the_old_checkpoint_without_leftovers(hf_dir, tmp_path):
+    dst = specjax.convert(hf_dir, tmp_path / "ckpt")
+    (dst / "stale.txt").write_text("from the old checkpoint")
+    specjax.convert(hf_dir, dst, dtype="bfloat16", overwrite=True)
+    assert not (dst / "stale.txt").exists()
+    assert specjax.load(dst).cfg.dtype == "bfloat16"
+    assert leftovers(tmp_path, "ckpt") == ["ckpt"]
+
+
+def test_overwrite_keeps_the_old_one_until_the_new_one_is_in_place(hf_dir, tmp_path, monkeypatch):
+    """The old checkpoint is only deleted after the new one has been renamed into place."""
+    dst = specjax.convert(hf_dir, tmp_path / "ckpt")
+    seen = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        seen.append((Path(path).name, checkpoint.is_checkpoint(dst) and json.loads(
+            (dst / checkpoint.MARKER).read_text())["dtype"]))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    specjax.convert(hf_dir, dst, dtype="bfloat16", overwrite=True)
+    # Whatever was deleted, the new checkpoint was already at dst at that moment.
+    assert seen and all(dtype == "bfloat16" for _, dtype in seen)
+    assert leftovers(tmp_path, "ckpt") == ["ckpt"]

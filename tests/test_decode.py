@@ -170,7 +170,8 @@ def test_per_row_budgets_in_the_loop(target):
 
     budgets = np.asarray([1, 7, 16, 0], np.int32)
     out_BO, count_B, steps = ar_generate(target.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B),
-                                         jnp.asarray(budgets), jax.random.key(0), lc=lc)
+                                         jnp.asarray(budgets), jnp.zeros(4, jnp.uint32), jnp.arange(4, dtype=jnp.uint32),
+                                         lc=lc)
     np.testing.assert_array_equal(np.asarray(count_B), budgets)
     assert int(steps) == 16
     for i, n in enumerate(budgets):
@@ -178,9 +179,10 @@ def test_per_row_budgets_in_the_loop(target):
 
 
 def test_explicit_max_len_that_just_fits(target):
-    """max_len = longest prompt + max_new_tokens is enough (even below the padded prompt bucket) and changes nothing."""
+    """max_len = longest prompt + max_new_tokens is enough (even below the padded prompt bucket) and changes nothing;
+    the cache is rounded up like every other cache length."""
     prompts = prompts_of([17, 5], seed=8)
     free = specjax.generate(target, prompts, max_new_tokens=6, eos_token_id=[])
     tight = specjax.generate(target, prompts, max_new_tokens=6, eos_token_id=[], max_len=23)
-    assert tight.stats["cache_len"] == 23
+    assert tight.stats["cache_len"] == 128
     assert tight.tokens == free.tokens

@@ -256,3 +256,97 @@ def test_gpu_benchmark_preset_is_refused_off_gpu():
         run_ar(ArBenchConfig(preset="8b", batches=(1,)))
     with pytest.raises(ValueError, match=r"unknown preset 'huge'"):
         ArBenchConfig(preset="huge").validate()
+
+
+# ---------------------------------------------------------------- truncated or corrupt files
+
+
+def _truncated(src: Path, dst: Path, keep: float = 0.5) -> Path:
+    """Copy an HF directory with model.safetensors cut short (a half-written download)."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep)])
+    return dst
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001, 0.0])
+def test_truncated_weight_file_names_the_file(hf_dir, tmp_path, keep):
+    path = _truncated(hf_dir, tmp_path / "m", keep)
+    file = path / "model.safetensors"
+    with pytest.raises(ValueError, match=rf"{file}: not a readable safetensors file \(.+\).*truncated") as err:
+        specjax.load(path)
+    assert "\n" not in str(err.value)
+
+
+def test_garbage_weight_file_names_the_file(hf_dir, tmp_path):
+    path = shutil.copytree(hf_dir, tmp_path / "m")
+    (path / "model.safetensors").write_bytes(b"<html>404 not found</html>" * 40)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        specjax.load(path)
+
+
+def test_corrupt_shard_index_names_the_file(hf_dir, tmp_path):
+    path = shutil.copytree(hf_dir, tmp_path / "m")
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001')
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: not valid JSON"):
+        specjax.load(path)
+    (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json has no 'weight_map'"):
+        specjax.load(path)
+
+
+def test_corrupt_config_names_the_file(hf_dir, tmp_path):
+    path = shutil.copytree(hf_dir, tmp_path / "m")
+    (path / "config.json").write_text('{"architectures": ["Qwen2')
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        specjax.load(path)
+
+
+# ---------------------------------------------------------------- the CLI: one line, exit code 2
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    from specjax.cli import main
+
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def _assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
+    assert rc == 2
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_cli_convert_truncated_file_is_one_line(hf_dir, tmp_path, capsys):
+    src = _truncated(hf_dir, tmp_path / "m")
+    rc, err = _cli(capsys, "convert", src, tmp_path / "ckpt")
+    _assert_one_line_error(rc, err, "specjax convert: error:", str(src / "model.safetensors"),
+                           "not a readable safetensors file")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_cli_user_errors_are_one_line_for_every_subcommand(tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    _assert_one_line_error(*_cli(capsys, "convert", missing, tmp_path / "out"), "specjax convert: error:",
+                           "does not exist")
+    _assert_one_line_error(*_cli(capsys, "generate", missing, "--prompt", "1 2"), "specjax generate: error:",
+                           "does not exist")
+    _assert_one_line_error(*_cli(capsys, "demo", "--target", missing), "specjax demo: error:", "no embedded model")
+    _assert_one_line_error(*_cli(capsys, "bench", "ar", "--batch", "0", "--dry-run"), "specjax bench: error:",
+                           "batch sizes must be positive")
+    _assert_one_line_error(*_cli(capsys, "bench", "spec", "--target", missing), "specjax bench: error:",
+                           "does not exist")
+
+
+def test_cli_folds_multi_line_messages(monkeypatch, capsys):
+    import specjax.target
+
+    def convert(*args, **kwargs):
+        raise ValueError("first line\nsecond line")
+
+    monkeypatch.setattr(specjax.target, "convert", convert)
+    _assert_one_line_error(*_cli(capsys, "convert", "a", "b"), "first line second line")

@@ -2,8 +2,9 @@
 
 The reference follows Hugging Face's logits warpers (TemperatureLogitsWarper, then
 TopKLogitsWarper, then TopPLogitsWarper): top-k keeps every token whose logit is at least
-the k-th largest; top-p keeps the smallest set of highest-probability tokens whose
-cumulative mass reaches top_p (always at least one token).
+the k-th largest; top-p sorts ascending (stable: tied logits in token-id order), drops the
+sorted positions whose cumulative mass is <= 1 - top_p and keeps the rest (always at least the
+last, most likely one), so a tie group at the cut is split with the lower token ids dropped.
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ def reference_probs(logits_V: np.ndarray, temperature: float, top_k: int = 0, to
     if top_p < 1.0:
         p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
         p /= p.sum()
-        order = np.argsort(-p, kind="stable")
-        mass_before = np.cumsum(p[order]) - p[order]
-        keep_sorted = mass_before < top_p  # the first token always has 0 mass before it
-        top_p_keep = np.zeros(z.shape, bool)
-        top_p_keep[order[keep_sorted]] = True
-        keep &= top_p_keep
+        order = np.argsort(np.where(keep, z, -np.inf), kind="stable")
+        drop_sorted = np.cumsum(p[order]) <= 1.0 - top_p
+        drop_sorted[-1] = False  # the most likely token always stays
+        keep[order[drop_sorted]] = False
     p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
     return p / p.sum()
 
@@ -74,6 +73,103 @@ def test_sampling_logprobs_match_numpy_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
+def _hf_probs(logits_XV: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Hugging Face's sampling distribution: generate()'s warpers, in generate()'s order."""
+    import torch
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    scores = torch.from_numpy(logits_XV.astype(np.float32))
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    for warper in warpers:
+        scores = warper(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def _cut_gap(logits_V: np.ndarray, temperature: float, top_k: int, top_p: float) -> float:
+    """Distance of 1 - top_p from the nearest ascending cumulative mass (float64)."""
+    z = logits_V.astype(np.float64) / temperature
+    if top_k:
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    p = np.sort(np.exp(z - z.max()))
+    return float(np.min(np.abs(np.cumsum(p / p.sum()) - (1.0 - top_p))))
+
+
+def _inside_tie_top_p(logits_V: np.ndarray) -> float:
+    """A top_p whose cut falls strictly inside the largest tie group (a split tie)."""
+    z = np.sort(logits_V.astype(np.float64))
+    cum = np.cumsum(np.exp(z - z.max()) / np.exp(z - z.max()).sum())
+    values, counts = np.unique(z, return_counts=True)
+    tied = values[np.argmax(counts * (counts > 1) * np.exp(values - values.max()))]
+    first = int(np.searchsorted(z, tied))
+    return float(1.0 - 0.5 * (cum[first] + cum[first + 1]))
+
+
+def _tied_logits(seed: int, rows: int, vocab: int) -> np.ndarray:
+    """Integer logits in a small range: many tie groups in every row."""
+    return np.random.default_rng(seed).integers(-3, 3, size=(rows, vocab)).astype(np.float32)
+
+
+HF_TIE_SETTINGS = [(1.0, 0), (0.7, 0), (1.0, 5), (1.5, 3), (0.8, 8)]
+
+
+@pytest.mark.parametrize("temperature,top_k", HF_TIE_SETTINGS)
+def test_top_p_ties_match_hugging_face_warpers(temperature, top_k):
+    """Many ties, cuts inside tie groups: exactly the tokens transformers keeps, same probabilities.
+
+    Vocab 12: torch.sort (default, unstable) keeps index order for rows of <= 16 entries on
+    CPU, so this compares with the unmodified TopPLogitsWarper; the premise is asserted.
+    """
+    import torch
+
+    logits_XV = _tied_logits(0, 6, 12)
+    sorted_idx = torch.sort(torch.from_numpy(logits_XV / np.float32(temperature)))[1].numpy()
+    assert (sorted_idx == np.argsort(logits_XV, axis=-1, kind="stable")).all()
+    top_ps = [0.3, 0.5, 0.75, 0.9] + [_inside_tie_top_p(row) for row in logits_XV]
+    for top_p in top_ps:
+        assert min(_cut_gap(row, temperature, top_k, top_p) for row in logits_XV) > 1e-5
+        got = np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits_XV),
+                                                  SamplingConfig(temperature, top_k, top_p))))
+        want = _hf_probs(logits_XV, temperature, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"top_p={top_p}")
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+        ref = np.stack([reference_probs(r, temperature, top_k, top_p) for r in logits_XV])
+        np.testing.assert_array_equal(ref > 0, want > 0, err_msg=f"numpy ref, top_p={top_p}")
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_top_p_ties_large_vocab_match_hugging_face(vocab, monkeypatch):
+    """Large rows: torch's default CPU sort is not stable past 16 entries, so which tied ids
+    transformers keeps is an artefact of its sort. How many of each tied value survive does not
+    depend on that order (compared with the unmodified warper); the kept ids equal the warper's
+    under torch.sort(stable=True), the order specjax reproduces."""
+    import torch
+
+    logits_XV = _tied_logits(1, 4, vocab)
+    for top_p in [0.5, 0.9] + [_inside_tie_top_p(row) for row in logits_XV]:
+        assert min(_cut_gap(row, 1.0, 0, top_p) for row in logits_XV) > 1e-5
+        got = np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits_XV), SamplingConfig(1.0, 0, top_p))))
+        want = _hf_probs(logits_XV, 1.0, 0, top_p)
+        for g, w, row in zip(got, want, logits_XV):
+            np.testing.assert_array_equal(np.sort(row[g > 0]), np.sort(row[w > 0]))
+            np.testing.assert_allclose(np.sort(g[g > 0]), np.sort(w[w > 0]), atol=1e-6, rtol=1e-5)
+        with monkeypatch.context() as m:
+            sort = torch.sort
+            m.setattr(torch, "sort", lambda *a, **kw: sort(*a, **kw, stable=True))
+            want_stable = _hf_probs(logits_XV, 1.0, 0, top_p)
+        np.testing.assert_array_equal(got > 0, want_stable > 0, err_msg=f"top_p={top_p}")
+        np.testing.assert_allclose(got, want_stable, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_splits_a_tie_group_like_hugging_face():
+    """Four equal logits, top_p=0.6: HF drops the first tied id (cumulative 0.25 <= 0.4)."""
+    logits = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0]])
+    probs = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(1.0, top_p=0.6))))
+    np.testing.assert_allclose(probs, [[0.0, 1 / 3, 1 / 3, 1 / 3], [0.0, 0.5, 0.5, 0.0]], rtol=1e-6)
+
+
 def test_top_k_keeps_ties_like_hugging_face():
     """Tokens tied with the k-th largest logit are all kept (HF compares against the k-th value)."""
     logits = jnp.asarray([[3.0, 1.0, 2.0, 2.0, 0.0]])
@@ -96,7 +192,7 @@ def test_top_k_larger_than_vocab_is_off():
 
 def test_greedy_is_argmax():
     logits = jnp.asarray(np.random.default_rng(2).standard_normal((8, 30)), jnp.float32)
-    got = choose_token(jax.random.key(0), logits, SamplingConfig(0.0))
+    got = choose_token(jax.random.split(jax.random.key(0), logits.shape[0]), logits, SamplingConfig(0.0))
     np.testing.assert_array_equal(np.asarray(got), np.argmax(np.asarray(logits), axis=-1))
 
 
@@ -113,7 +209,7 @@ def test_choose_token_draws_from_sampling_distribution(temperature, top_k, top_p
     n = 200_000
     keys = jax.random.split(jax.random.key(1234), n)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    draws = jax.jit(jax.vmap(lambda k: choose_token(k, jnp.asarray(logits_V)[None], sampling)[0]))(keys)
+    draws = jax.jit(jax.vmap(lambda k: choose_token(k[None], jnp.asarray(logits_V)[None], sampling)[0]))(keys)
     freq = np.bincount(np.asarray(draws), minlength=logits_V.size) / n
     assert np.all(freq[want == 0] == 0), f"drew masked tokens: freq {freq}, want {want}"
     tv = 0.5 * np.abs(freq - want).sum()

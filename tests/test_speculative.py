@@ -16,7 +16,14 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return specjax.load(save_hf_model(build_hf_model("llama", seed=0), tmp_path_factory.mktemp("target")))
+    # Untied: with random tied embeddings a token's own embedding dominates its logits and greedy decoding
+    # repeats one token forever, which would make every equality below trivial.
+    model = build_hf_model("llama", seed=0, tie_word_embeddings=False)
+    return specjax.load(save_hf_model(model, tmp_path_factory.mktemp("target")))
+
+
+def test_target_output_is_not_degenerate(plain):
+    assert all(len(set(t)) > len(t) // 2 for t in plain.tokens)
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +64,63 @@ def test_greedy_speculative_equals_plain(target, other_model, prompts, plain, na
 
 
 def test_replay_drafter_is_lossless_and_controls_acceptance(target, prompts, plain):
-    for p, lo, hi in [(0.0, 4.9, 5.01), (1.0, 1.0, 1.0)]:
+    # 39 tokens after prefill's: 7 rounds of 5 and a last round cut to 4 by the budget.
+    for p, tau in [(0.0, 39 / 8), (1.0, 1.0)]:
         drafter = specjax.replay_drafter(plain.tokens, target.cfg.vocab_size, corrupt_prob=p)
         out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
                                num_draft_tokens=4)
         assert out.tokens == plain.tokens
-        assert lo <= out.stats["acceptance_length"] <= hi
+        assert out.stats["acceptance_length"] == pytest.approx(tau)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_self_drafting_accepts_everything(target, prompts, plain, k):
-    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[],
+    new = 29  # 1 + 28: every round emits exactly k + 1 tokens for k + 1 in (2, 4, 7)
+    out = specjax.generate(target, prompts, max_new_tokens=new, eos_token_id=[],
                            drafter=DraftModelDrafter(target.cfg, target.params), num_draft_tokens=k)
-    assert out.tokens == plain.tokens
+    assert out.tokens == [t[:new] for t in plain.tokens]
     assert out.stats["acceptance_length"] == k + 1
     assert out.stats["per_position_acceptance"] == [1.0] * k
     assert out.stats["drafter_calls"] == out.stats["rounds"] * k
+    assert out.stats["offered_at_depth"] == out.stats["accepted_at_depth"] == [28 // (k + 1) * 3] * k
+    assert out.stats["verified_tokens_per_round"] == 3 * (k + 1)  # three active rows in every round
+    assert out.stats["padded_tokens_per_round"] == 4 * (k + 1)  # the batch bucket of 3 is 4
+
+
+def test_self_drafting_tree_reaches_max_depth_every_round(target, prompts, plain):
+    """Drafter = target with kary:2,2,1: the rank-0 path is the target's greedy path, so tau = max depth + 1."""
+    new = 1 + 4 * 7
+    out = specjax.generate(target, prompts, max_new_tokens=new, eos_token_id=[],
+                           drafter=DraftModelDrafter(target.cfg, target.params), tree="kary:2,2,1")
+    assert out.tokens == [t[:new] for t in plain.tokens]
+    assert out.stats["acceptance_length"] == 4.0
+    rounds = 7 * 3
+    assert out.stats["offered_at_depth"] == [2 * rounds, 4 * rounds, 4 * rounds]
+    assert out.stats["accepted_at_depth"] == [rounds] * 3
+    ranks = np.asarray(out.stats["accepted_child_rank"])
+    assert ranks[:, 0].tolist() == [rounds] * 3 and ranks[:, 1:].sum() == 0
+
+
+def test_drafts_cut_by_the_budget_are_not_counted(target, prompts):
+    """A row that emits 4 tokens (1 at prefill, 3 in one round of 6 accepted drafts) reports tau 3, not 7."""
+    out = specjax.generate(target, prompts[:1], max_new_tokens=4, eos_token_id=[],
+                           drafter=DraftModelDrafter(target.cfg, target.params), num_draft_tokens=6)
+    assert len(out.tokens[0]) == 4 and out.stats["rounds"] == 1
+    assert out.stats["acceptance_length"] == 3.0
+    assert out.stats["accepted_drafts"] == 3
+    assert out.stats["per_position_acceptance"] == [1, 1, 1, 0, 0, 0]
+
+
+def test_drafts_after_eos_are_not_counted(other_model, prompts):
+    """EOS at output index j (1 <= j <= 6) falls inside the first round of a fully accepted chain of 6.
+    (other_model: the llama target repeats one token, so no EOS could sit mid-round there.)"""
+    plain = specjax.generate(other_model, prompts, max_new_tokens=8, eos_token_id=[])
+    i, j = next((i, j) for i, row in enumerate(plain.tokens) for j in range(1, 7) if row[j] not in row[:j])
+    row = plain.tokens[i]
+    out = specjax.generate(other_model, prompts[i: i + 1], max_new_tokens=MAX_NEW, eos_token_id=row[j],
+                           drafter=DraftModelDrafter(other_model.cfg, other_model.params), num_draft_tokens=6)
+    assert out.tokens[0] == row[: j + 1]
+    assert out.stats["acceptance_length"] == j and out.stats["accepted_drafts"] == j
 
 
 def test_eos_inside_an_accepted_run_stops_where_plain_decoding_does(target, prompts, plain):
@@ -131,7 +179,7 @@ def test_mismatched_tokenizer_is_refused(tmp_path):
 
 
 def test_draft_that_cannot_fit_the_cache_is_refused(target):
-    with pytest.raises(ValueError, match="draft slots"):
+    with pytest.raises(ValueError, match="draft of 9 nodes"):
         specjax.generate(target, [[5] * 10], max_new_tokens=10, max_len=24,
                          drafter=DraftModelDrafter(target.cfg, target.params), num_draft_tokens=8)
 
@@ -150,3 +198,49 @@ def test_sampled_rows_do_not_depend_on_the_batch(target, other_model, prompts):
         batch = specjax.generate(target, prompts, max_new_tokens=16, temperature=8.0, seed=5, **kwargs).tokens
         alone = specjax.generate(target, prompts[:1], max_new_tokens=16, temperature=8.0, seed=5, **kwargs).tokens
         assert alone[0] == batch[0]
+
+
+def test_same_prompt_with_the_same_seed_samples_the_same_tokens_at_every_row(target, other_model, prompts):
+    """seed=[...]: one seed per prompt, so a prompt's draws do not depend on its row or the batch around it."""
+    drafter = DraftModelDrafter(other_model.cfg, other_model.params)
+    p = prompts[0]
+    for kwargs in ({}, {"drafter": drafter, "num_draft_tokens": 3}):
+        run = lambda batch, seeds: specjax.generate(target, batch, max_new_tokens=16, temperature=8.0, seed=seeds,
+                                                    eos_token_id=[], **kwargs).tokens
+        alone = run([p], [9])[0]
+        batch = run([prompts[1], p, prompts[2], p, p], [1, 9, 2, 9, 9])
+        assert batch[1] == batch[3] == batch[4] == alone
+        assert run([p, p], 9)[0] != run([p, p], 9)[1]  # one int seed: rows differ (folded by row index)
+
+
+def test_seed_none_draws_fresh_randomness_and_reports_it(target, prompts):
+    kwargs = dict(max_new_tokens=16, temperature=8.0, eos_token_id=[])
+    a = specjax.generate(target, prompts, seed=None, **kwargs)
+    b = specjax.generate(target, prompts, seed=None, **kwargs)
+    assert a.tokens != b.tokens and a.stats["seed"] != b.stats["seed"]
+    assert len(a.stats["seed"]) == len(prompts)
+    assert specjax.generate(target, prompts, seed=a.stats["seed"], **kwargs).tokens == a.tokens
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 1.5, [1, 2]])
+def test_bad_seeds_are_refused(target, prompts, seed):
+    with pytest.raises(ValueError, match="seed"):
+        specjax.generate(target, prompts, max_new_tokens=4, temperature=1.0, seed=seed)
+
+
+def test_drafters_with_different_param_shapes_compile_separately(target, prompts, plain):
+    """The compile key includes the params' structure and shapes: two replay widths in one bucket both run."""
+    for width in (MAX_NEW, MAX_NEW - 7):
+        drafter = specjax.replay_drafter([t[:width] for t in plain.tokens], target.cfg.vocab_size, 0.0)
+        out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
+                               num_draft_tokens=4)
+        assert out.tokens == plain.tokens
+
+
+def test_draft_shape_arguments_are_checked(target, prompts):
+    drafter = DraftModelDrafter(target.cfg, target.params)
+    with pytest.raises(ValueError, match="not both"):
+        specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter, num_draft_tokens=3, tree="kary:2,1")
+    for kwargs in ({"num_draft_tokens": 3}, {"tree": "kary:2,1"}):
+        with pytest.raises(ValueError, match="no drafter"):
+            specjax.generate(target, prompts, max_new_tokens=4, **kwargs)

@@ -56,7 +56,7 @@ def test_greedy_tree_picks_the_matching_branch():
 def sampled_outcomes(draft, p_logits, n_samples=20000, sampling=SamplingConfig(temperature=1.0)):
     mask = ancestor_mask(draft.parents)
     keys = jax.random.split(jax.random.key(0), n_samples)
-    v = jax.vmap(lambda k: verify_sampled(draft, mask, p_logits, sampling, k))(keys)
+    v = jax.vmap(lambda k: verify_sampled(draft, mask, p_logits, sampling, k[None]))(keys)
     return np.asarray(v.num_accepted)[:, 0], np.asarray(v.bonus)[:, 0]
 
 
@@ -93,7 +93,7 @@ def test_sampled_tree_tries_siblings_in_order():
     draft = make_draft(spec, [4, 0, 1])
     mask = ancestor_mask(draft.parents)
     keys = jax.random.split(jax.random.key(1), 20000)
-    v = jax.vmap(lambda k: verify_sampled(draft, mask, logits, SamplingConfig(temperature=1.0), k))(keys)
+    v = jax.vmap(lambda k: verify_sampled(draft, mask, logits, SamplingConfig(temperature=1.0), k[None]))(keys)
     last = np.asarray(v.path)[:, 0, 1]
     assert np.all(np.asarray(v.num_accepted)[:, 0] == 2)
     assert abs((last == 1).mean() - 0.5) < 0.02 and abs((last == 2).mean() - 0.5) < 0.02

@@ -3,16 +3,28 @@
 Torch stores linear weights as [out, in]; specjax keeps [in, out] so activations
 multiply on the left (x @ W). Per-layer tensors are stacked on a leading layer axis
 on the host (numpy), then moved to the device once.
+
+Every tensor in the checkpoint must be accounted for by the config: one the config does
+not explain (q/k/v biases with `attention_bias` false, a layer past `num_hidden_layers`,
+an MTP head) is refused by name rather than silently dropped, since dropping it would run
+a different model from the one the checkpoint describes. The only exceptions are:
+  * `_HARMLESS` below: non-persistent buffers some exporters saved anyway (RoPE
+    `inv_freq`), which specjax recomputes from the config;
+  * `lm_head.weight` with `tie_word_embeddings` true when it equals the embedding
+    (transformers ties them in that case too). If it differs, transformers 5 unties them
+    with a warning while older versions silently tie them, so the config and the
+    checkpoint disagree and the conversion is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..models.decoder import param_shapes
@@ -37,12 +49,32 @@ _LAYER_KEYS = {
     "w_down": ("mlp.down_proj.weight", True),
 }
 
+# Known-harmless tensors that no config field accounts for: RoPE inverse-frequency buffers
+# (non-persistent in current transformers, but older exports and some converters saved them).
+_HARMLESS = (
+    re.compile(r"model\.rotary_emb\.inv_freq"),
+    re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
+)
+# Multi-token-prediction heads: DeepSeek-V3 style (an extra layer past num_hidden_layers with these
+# modules) and Qwen3-Next style (an `mtp.` prefix). Recognised so the error can say what they are.
+_MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_SHOWN_NAMES = 8  # an error lists at most this many tensor names
+
 
 def read_hf_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: a Hugging Face model directory needs its config.json")
-    return json.loads(path.read_text())
+    return read_json(path)
+
+
+def read_json(path: Path):
+    """Parse a JSON file, naming the file when it is not valid JSON (a truncated download, say)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); re-download or re-save it") from None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -50,7 +82,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        contents = read_json(index)
+        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object (tensor name -> shard file); re-save the model")
+        names = sorted(set(weight_map.values()))
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -66,18 +102,41 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    """Every tensor of every file, by name."""
     tensors: dict[str, np.ndarray] = {}
     for f in files:
-        with safe_open(str(f), framework="np") as st:
-            for name in st.keys():
-                tensors[name] = st.get_tensor(name)
+        tensors.update(read_safetensors(f))
     return tensors
 
 
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """One file's tensors; a truncated or corrupt file is a one-line ValueError naming it, not a traceback."""
+    try:
+        with safe_open(str(file), framework="np") as st:
+            return {name: st.get_tensor(name) for name in st.keys()}
+    except (SafetensorError, OSError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(f"{file}: not a readable safetensors file ({reason}); it may be truncated or corrupt "
+                         "(an interrupted download or save): re-download or re-save it") from None
+
+
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Map HF tensor names to the specjax param tree, checking every name and shape."""
+    """Map HF tensor names to the specjax param tree, checking every name and shape.
+
+    Raises ValueError naming any tensor the config does not account for (see the module docstring).
+    """
+    params, used = take_params(tensors, cfg)
+    leftover = unaccounted_tensors(tensors, used, cfg)
+    if leftover:
+        raise ValueError(describe_unaccounted(split_known_extras(leftover, cfg), cfg))
+    return params
+
+
+def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[str, np.ndarray], set[str]]:
+    """(the param tree the config asks for, the tensor names it used); a missing or mis-shaped one is an error."""
     dtype = _NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
+    used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
         if name not in tensors:
@@ -87,6 +146,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, 
             stored = tensors[name].shape
             raise ValueError(f"tensor '{name}' has shape {stored}; the config implies "
                              f"{shape[::-1] if transpose else shape}")
+        used.add(name)
         return t.astype(dtype)
 
     layers = {}
@@ -101,7 +161,76 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, 
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight", shapes["lm_head"], True)
-    return params
+    return params, used
+
+
+def unaccounted_tensors(tensors: dict[str, np.ndarray], used: set[str], cfg: ModelConfig) -> list[str]:
+    """Names in the checkpoint that the config does not explain, minus the known-harmless ones, sorted."""
+    return sorted(name for name in tensors
+                  if name not in used and not is_harmless(name) and not _is_tied_copy(name, tensors, cfg))
+
+
+def is_harmless(name: str) -> bool:
+    """A buffer specjax recomputes from the config (see `_HARMLESS`)."""
+    return any(pattern.fullmatch(name) for pattern in _HARMLESS)
+
+
+def _is_tied_copy(name: str, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> bool:
+    """A stored lm_head equal to the embedding under tied embeddings: the same weights, saved twice."""
+    if name != "lm_head.weight" or not cfg.tie_word_embeddings or "model.embed_tokens.weight" not in tensors:
+        return False
+    return bool(np.array_equal(tensors[name], tensors["model.embed_tokens.weight"]))
+
+
+def split_known_extras(names: list[str], cfg: ModelConfig) -> dict[str, list[str]]:
+    """Group leftover names into known families ("mtp": multi-token-prediction heads) and "unknown".
+
+    Kept apart from the error so that a family specjax learns to use can be routed to its reader.
+    """
+    mtp_layers = {m.group(1) for n in names if _MTP_MODULES.search(n) and (m := _LAYER_INDEX.match(n))
+                  and int(m.group(1)) >= cfg.num_layers}
+    groups: dict[str, list[str]] = {"mtp": [], "unknown": []}
+    for name in names:
+        layer = _LAYER_INDEX.match(name)
+        is_mtp = name.startswith("mtp.") or (layer is not None and layer.group(1) in mtp_layers)
+        groups["mtp" if is_mtp else "unknown"].append(name)
+    return groups
+
+
+def describe_unaccounted(groups: dict[str, list[str]], cfg: ModelConfig) -> str:
+    """One-line error for leftover tensors: which ones, the likely config mismatch, and what to do."""
+    parts = []
+    if groups.get("unknown"):
+        names = groups["unknown"]
+        parts.append(f"checkpoint has {len(names)} tensor(s) the config does not account for: {_shown(names)}"
+                     f"{_config_hints(names, cfg)}; specjax refuses to drop weights: make config.json match the"
+                     " checkpoint, or remove the tensors that do not belong to the model")
+    if groups.get("mtp"):
+        names = groups["mtp"]
+        parts.append(f"checkpoint has {len(names)} multi-token-prediction (MTP) tensor(s): {_shown(names)}; MTP"
+                     " tensors are not yet supported: remove them to convert the base model alone")
+    return "; ".join(parts)
+
+
+def _shown(names: list[str]) -> str:
+    """At most `_SHOWN_NAMES` names, then how many more."""
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN_NAMES])
+    return shown + (f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else "")
+
+
+def _config_hints(names: list[str], cfg: ModelConfig) -> str:
+    """The config.json field that most likely disagrees with these tensors, if one stands out."""
+    hints = []
+    if any(re.search(r"self_attn\.[qkv]_proj\.bias$", n) for n in names) and not cfg.qkv_bias:
+        hints.append("q/k/v biases present but the config has none (config.json 'attention_bias' false,"
+                     f" or a {cfg.family} model without them)")
+    layers = [int(m.group(1)) for n in names if (m := _LAYER_INDEX.match(n))]
+    if any(i >= cfg.num_layers for i in layers):
+        hints.append(f"layers up to {max(layers)} present but config.json 'num_hidden_layers' is {cfg.num_layers}")
+    if "lm_head.weight" in names and cfg.tie_word_embeddings:
+        hints.append("'lm_head.weight' differs from 'model.embed_tokens.weight' but config.json"
+                     " 'tie_word_embeddings' is true (set it false if the head is separate)")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def load_hf(model_dir: Path, dtype: str | None = None) -> tuple[dict, ModelConfig, dict[str, np.ndarray]]:

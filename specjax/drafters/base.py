@@ -6,7 +6,7 @@ the jitted loop as an ordinary argument. `configure` fixes the per-call settings
 shape, sampling, cache length) before compilation.
 
 Inside the jitted loop, each round calls
-    draft, state = propose(params, state, root_B, key)
+    draft, state = propose(params, state, root_B, keys_B)   # keys_B: one PRNG key per row
     ... target verifies ...
     state = update(params, state, draft, verdict, features)
 where `features` are the target hidden states the drafter asked for (`feature_layers`,
@@ -61,7 +61,7 @@ class Drafter(Protocol):
 
     def init(self, params, ctx: PrefillContext) -> Any: ...
 
-    def propose(self, params, state, root_B: jax.Array, key: jax.Array) -> tuple[Draft, Any]:
+    def propose(self, params, state, root_B: jax.Array, keys_B: jax.Array) -> tuple[Draft, Any]:
         """A draft rooted at root_B, and the state after drafting (a draft model's cache holds its guesses)."""
         ...
 

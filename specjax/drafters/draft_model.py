@@ -20,7 +20,7 @@ from jax import lax
 from ..cache import KVCache, commit, init_cache
 from ..config import ModelConfig
 from ..models.decoder import forward, has_layer_list, lm_head
-from ..sampling import sample_rows, sampling_logprobs
+from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings
@@ -39,6 +39,12 @@ class DraftModelDrafter:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    def __repr__(self) -> str:
+        """One line of facts, not the weights."""
+        from ..target import model_summary  # noqa: PLC0415 (target.py is the model-loading side)
+
+        return f"DraftModelDrafter({model_summary(self.cfg, self.attn_impl)})"
+
     def configure(self, settings: Settings) -> "DraftModelDrafter":
         return dataclasses.replace(self, settings=settings)
 
@@ -53,23 +59,23 @@ class DraftModelDrafter:
         prev_B = jnp.take_along_axis(ctx.prompt, (ctx.prompt_len - 1)[:, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), prev_B
 
-    def _choose(self, key, logits_BV):
-        """Next draft token and, when sampling, the distribution it was drawn from."""
+    def _choose(self, keys_B, logits_BV):
+        """Next draft token and, when sampling, the distribution it was drawn from (row b with keys_B[b])."""
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
         logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
-        return sample_rows(key, logp_BV), jnp.exp(logp_BV)
+        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
 
-    def propose(self, params, state, root_B, key):
+    def propose(self, params, state, root_B, keys_B):
         if self.settings.tree.is_chain:
-            return self._propose_chain(params, state, root_B, key)
+            return self._propose_chain(params, state, root_B, keys_B)
         return self._propose_tree(params, state, root_B)
 
-    def _propose_chain(self, params, state, root_B, key):
+    def _propose_chain(self, params, state, root_B, keys_B):
         cache, prev_B = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
-        keys = jax.random.split(key, k)
+        keys = split_rows(keys_B, k)  # [K, B]
         step_cache = KVCache(cache.k, cache.v, length_B - 1)
         h_B2D, _, step_cache = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1), step_cache,
                                        attn_impl=self.attn_impl)
@@ -77,10 +83,10 @@ class DraftModelDrafter:
 
         def step(carry, xs):
             kc, vc, tok_B = carry
-            i, step_key = xs
+            i, step_keys_B = xs
             h_B1D, _, c = forward(params, self.cfg, tok_B[:, None], KVCache(kc, vc, length_B + i),
                                   attn_impl=self.attn_impl)
-            nxt_B, q_BV = self._choose(step_key, lm_head(params, self.cfg, h_B1D)[:, 0])
+            nxt_B, q_BV = self._choose(step_keys_B, lm_head(params, self.cfg, h_B1D)[:, 0])
             return (c.k, c.v, nxt_B), (nxt_B, q_BV)
 
         (kc, vc, _), (rest_KB, rest_q) = lax.scan(step, (step_cache.k, step_cache.v, tok_B),

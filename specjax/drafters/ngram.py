@@ -32,6 +32,10 @@ class NgramDrafter:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"ngram needs 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
+    def __repr__(self) -> str:
+        """One line: the n-gram lengths it matches."""
+        return f"NgramDrafter(min_n={self.min_n}, max_n={self.max_n})"
+
     def configure(self, settings: Settings) -> "NgramDrafter":
         require_chain(self.name, settings)
         return dataclasses.replace(self, settings=settings)
@@ -45,7 +49,7 @@ class NgramDrafter:
         hist_BH = hist_BH.at[:, :t].set(ctx.prompt)
         return hist_BH, ctx.prompt_len
 
-    def propose(self, params, state, root_B, key):
+    def propose(self, params, state, root_B, keys_B):
         hist_BH, len_B = state
         b, h = hist_BH.shape
         k = self.settings.tree.num_nodes - 1

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..verify import Draft, Verdict
-from ..generate import bucket
+from ..request import bucket
+from ..sampling import split_rows, uniform_rows
 from ..tree import spec_arrays
 from .base import PrefillContext, Settings, require_chain
 
@@ -30,6 +31,17 @@ class ReplayDrafter:
     settings: Settings | None = None
     name: str = "replay"
     feature_layers: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        """One line: vocabulary, reference rows x length and corruption rate, not the reference arrays."""
+        if self.params is None:
+            return f"ReplayDrafter(vocab={self.vocab_size}, no reference)"
+        rows, width = self.params["reference"].shape
+        try:
+            prob = f"{float(self.params['corrupt_prob']):g}"
+        except Exception:  # noqa: BLE001 (a traced value under jit has no float)
+            prob = "traced"
+        return f"ReplayDrafter(vocab={self.vocab_size}, rows={rows}, width={width}, corrupt_prob={prob})"
 
     def configure(self, settings: Settings) -> "ReplayDrafter":
         require_chain(self.name, settings)
@@ -44,15 +56,16 @@ class ReplayDrafter:
                              f"{ctx.prompt.shape[0]}: build it with replay_drafter(continuations) for these prompts")
         return jnp.ones((ctx.prompt.shape[0],), jnp.int32)  # index of the next reference token to draft
 
-    def propose(self, params, state, root_B, key):
+    def propose(self, params, state, root_B, keys_B):
         ref_BM = params["reference"]
         b, m = ref_BM.shape
         k = self.settings.tree.num_nodes - 1
         idx_BK = state[:, None] + jnp.arange(k)[None, :]
         drafts_BK = jnp.take_along_axis(ref_BM, jnp.clip(idx_BK, 0, m - 1), axis=1)
-        k_flip, k_tok = jax.random.split(key)
-        flip_BK = jax.random.uniform(k_flip, (b, k)) < params["corrupt_prob"]
-        other_BK = (drafts_BK + jax.random.randint(k_tok, (b, k), 1, self.vocab_size)) % self.vocab_size
+        flip_keys_B, tok_keys_B = split_rows(keys_B, 2)
+        flip_BK = uniform_rows(flip_keys_B, (b, k)) < params["corrupt_prob"]
+        offset_BK = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(tok_keys_B)
+        other_BK = (drafts_BK + offset_BK) % self.vocab_size
         drafts_BK = jnp.where(flip_BK, other_BK, drafts_BK)
         tokens_BN = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
         valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), idx_BK < m], axis=1)

@@ -2,7 +2,9 @@
 
 Run with JAX_PLATFORMS=cpu (interpret mode), or on a GPU to test the compiled kernel.
 Every cache position past lengths[b] + N is poisoned with NaN (and, for the stacked cache,
-every other layer is all NaN), so a wrong read shows up as NaN.
+every other layer is all NaN), so a wrong read shows up as NaN. When lengths[b] + N > S the
+new tokens past S do not exist (nothing to poison); interpret mode returns NaN for a read
+past the end of the array, so an out-of-bounds read shows up as NaN too.
 Interpret mode also fills pallas outputs with NaN before the kernel runs, so an output
 element the kernel forgets to write is NaN too; every test asserts the result is finite.
 """
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import specjax.kernels as kernels_mod
 from specjax.kernels import attention, plan_blocks, tree_attention, tree_attention_reference
 
 # On a GPU machine the same tests run the compiled Triton kernel; elsewhere interpret mode.
@@ -47,10 +50,13 @@ def random_tree_mask(rng, batch: int, num_new: int, kind: str) -> np.ndarray:
 
 def make_inputs(seed, *, batch, num_new, q_heads, kv_heads, head_dim, max_len, lengths,
                 dtype, tree="tree", num_layers=None, layer=None):
-    """Random q/k/v/mask with everything outside the readable region set to NaN."""
+    """Random q/k/v/mask with everything outside the readable region set to NaN.
+
+    lengths may be anything in 0..S, lengths + N may exceed S (new tokens past S do not exist).
+    """
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
-    assert lengths.shape == (batch,) and np.all(lengths + num_new <= max_len)
+    assert lengths.shape == (batch,) and np.all((lengths >= 0) & (lengths <= max_len))
     q = rng.standard_normal((batch, num_new, q_heads, head_dim)).astype(np.float32)
     k = rng.standard_normal((batch, max_len, kv_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((batch, max_len, kv_heads, head_dim)).astype(np.float32)
@@ -68,19 +74,24 @@ def make_inputs(seed, *, batch, num_new, q_heads, kv_heads, head_dim, max_len, l
 
 
 def numpy_attention(q, k, v, lengths, mask, sm_scale=None, layer=None):
-    """Naive dense float64 attention: gather the visible positions explicitly per query."""
+    """Naive dense float64 attention: gather the visible positions explicitly per query.
+
+    Positions >= S do not exist; a query that sees nothing gets zeros.
+    """
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     if layer is not None:
         k, v = k[layer], v[layer]
     lengths, mask = np.asarray(lengths), np.asarray(mask)
     batch, num_new, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[2]
+    max_len, group = k.shape[1], q_heads // k.shape[2]
     scale = 1 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = np.zeros(q.shape)
     for b in range(batch):
         for i in range(num_new):
             seen = list(range(lengths[b])) + [lengths[b] + j for j in range(num_new)
-                                               if mask[b, i, j]]
+                                               if mask[b, i, j] and lengths[b] + j < max_len]
+            if not seen:
+                continue
             for h in range(q_heads):
                 keys = k[b, seen, h // group]  # [P, D]
                 logits = keys @ q[b, i, h] * scale
@@ -196,6 +207,73 @@ def test_kernel_custom_scale_and_isolated_row():
     np.testing.assert_array_equal(np.asarray(out[0, 2]), 0.0)
 
 
+# lengths + N below, at and beyond S, mixed per row: positions >= S do not exist, so new
+# tokens there are invisible and the kernel must not read them (each row also has a prefix
+# and/or new tokens inside the cache so the result is not trivially zero).
+PAST_END_CASES = [
+    # B, N, Hq, Hkv, D, S, lengths, dtype, tree, layered, block_k, num_splits
+    (2, 64, 2, 2, 64, 48, [0, 0], jnp.float32, "chain", False, None, 1),  # the NaN repro
+    (2, 64, 8, 2, 64, 48, [0, 48], jnp.bfloat16, "chain", False, None, 2),
+    (3, 64, 4, 1, 64, 48, [0, 47, 30], jnp.float32, "tree", True, 16, 3),
+    (4, 8, 8, 2, 64, 64, [57, 64, 56, 30], jnp.float32, "tree", False, 32, 2),  # S-N+1, S, S-N
+    (4, 8, 8, 2, 128, 64, [57, 64, 56, 30], jnp.bfloat16, "tree", False, 32, 1),
+    (3, 1, 8, 2, 64, 32, [31, 32, 0], jnp.float32, "chain", False, None, 1),  # S-1 / S, N=1
+    (3, 1, 8, 2, 64, 32, [31, 32, 0], jnp.bfloat16, "chain", True, 16, 2),
+    (3, 16, 8, 2, 64, 64, [49, 40, 63], jnp.bfloat16, "tree", False, 16, 3),
+    (2, 5, 4, 4, 64, 48, [44, 46], jnp.float32, "tree", True, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,num_new,q_heads,kv_heads,head_dim,max_len,lengths,dtype,tree,layered,block_k,"
+    "num_splits", PAST_END_CASES)
+def test_kernel_new_tokens_past_cache_end(batch, num_new, q_heads, kv_heads, head_dim, max_len,
+                                          lengths, dtype, tree, layered, block_k, num_splits):
+    """lengths + N > S: the kernel stays inside the cache and equals the reference and numpy."""
+    layer = jnp.int32(2) if layered else None
+    layer_kw = dict(num_layers=3, layer=2) if layered else {}
+    q, k, v, lengths, mask = make_inputs(
+        11, batch=batch, num_new=num_new, q_heads=q_heads, kv_heads=kv_heads,
+        head_dim=head_dim, max_len=max_len, lengths=lengths, dtype=dtype, tree=tree,
+        **layer_kw)
+    out = tree_attention(q, k, v, lengths, mask, layer=layer, block_k=block_k,
+                         num_splits=num_splits, interpret=INTERPRET)
+    ref = tree_attention_reference(q, k, v, lengths, mask, layer=layer)
+    expect = numpy_attention(q, k, v, lengths, mask, layer=None if layer is None else 2)
+    assert_close(ref, expect, dtype)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("impl", ["reference", "kernel", "kernel_split"])
+def test_query_whose_tokens_are_all_past_cache_end_gets_zeros(impl):
+    """lengths=0, N=64, S=48, each token sees only itself: queries 48.. see nothing -> zeros."""
+    q, k, v, lengths, mask = make_inputs(
+        12, batch=2, num_new=64, q_heads=4, kv_heads=2, head_dim=64, max_len=48,
+        lengths=[0, 0], dtype=jnp.float32)
+    mask = jnp.broadcast_to(jnp.eye(64, dtype=bool), mask.shape)
+    if impl == "reference":
+        out = tree_attention_reference(q, k, v, lengths, mask)
+    else:
+        out = tree_attention(q, k, v, lengths, mask, interpret=INTERPRET, block_k=16,
+                             num_splits=1 if impl == "kernel" else 3)
+    assert_close(out, numpy_attention(q, k, v, lengths, mask), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out[:, 48:]), 0.0)
+    # A query inside the cache seeing only itself returns its own V (per kv head).
+    v_expect = jnp.repeat(v[:, :48], 2, axis=2)
+    np.testing.assert_allclose(np.asarray(out[:, :48]), np.asarray(v_expect), atol=1e-6)
+
+
+def test_kernel_never_reads_outside_cache_for_lengths_past_s():
+    """lengths > S (a caller bug) still reads only the cache: every position is then prefix."""
+    q, k, v, _, mask = make_inputs(
+        13, batch=2, num_new=8, q_heads=4, kv_heads=2, head_dim=64, max_len=32,
+        lengths=[32, 32], dtype=jnp.float32)
+    lengths = jnp.asarray([32 + 5, 32 + 40], jnp.int32)
+    for num_splits in (1, 2):
+        out = tree_attention(q, k, v, lengths, mask, interpret=INTERPRET, num_splits=num_splits)
+        assert_close(out, tree_attention_reference(q, k, v, lengths, mask), jnp.float32)
+
+
 def test_kernel_layer_traced_inside_scan():
     """The stacked cache carried through lax.scan, layer = the traced loop index."""
     num_layers = 2
@@ -243,6 +321,53 @@ def test_kernel_reads_layer_without_slicing_the_cache():
                 f"{eqn.primitive.name} touches the stacked cache outside the kernel")
 
 
+def _triton_dot_precisions(dtype) -> list[int]:
+    """inputPrecision of every tt.dot in the Triton IR the kernel emits when lowered for CUDA.
+
+    Lowering for CUDA works without a GPU; the Triton module travels as MLIR bytecode in the
+    custom call's backend_config, which is parsed back here with the Triton dialect loaded.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    b, n, hq, hkv, d, s = 1, 4, 4, 2, 64, 64
+    args = (jax.ShapeDtypeStruct((b, n, hq, d), dtype), jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, s, hkv, d), dtype), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, n, n), jnp.bool_))
+    fn = lambda *a: tree_attention(*a, interpret=False, num_splits=1)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir()
+    blobs = [op.attributes["mhlo.backend_config"]["ir"] for op in _walk_ops(hlo.operation)
+             if op.name == "stablehlo.custom_call"]
+    assert len(blobs) == 1, "expected exactly one Triton custom call"
+    ctx = ir.Context()
+    tt_dialect.register_dialect(ctx)
+    with ctx:
+        triton_module = ir.Module.parse(ir.StringAttr(blobs[0]).value_bytes)
+    dots = [op for op in _walk_ops(triton_module.operation) if op.name == "tt.dot"]
+    assert dots, "no tt.dot in the Triton module"
+    return [ir.IntegerAttr(op.attributes["inputPrecision"]).value for op in dots]
+
+
+def _walk_ops(op):
+    """Every operation nested under `op` (depth first)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield child.operation
+                yield from _walk_ops(child.operation)
+
+
+def test_fp32_kernel_dots_are_full_precision_in_cuda_lowering():
+    """fp32 dots lower to IEEE (not TF32, Triton's default on Ampere/Hopper); bf16 is untouched."""
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    ieee = int(tt_dialect.InputPrecision.IEEE)
+    fp32 = _triton_dot_precisions(jnp.float32)
+    assert fp32 and all(p == ieee for p in fp32), f"fp32 dots: inputPrecision {fp32}"
+    bf16 = _triton_dot_precisions(jnp.bfloat16)
+    assert bf16 and all(p != ieee for p in bf16), f"bf16 dots: inputPrecision {bf16}"
+
+
 # ----------------------------------------------------------------------------- block plan
 
 
@@ -268,6 +393,7 @@ def test_plan_blocks_shapes(batch, num_new, group, max_len, block_k):
 
 
 def test_plan_blocks_rejects_bad_shapes():
+    """plan_blocks raises exactly what kernel_unsupported_reason reports."""
     kw = dict(batch=1, num_new=1, group=1, kv_heads=1)
     with pytest.raises(ValueError, match="multiple of 16"):
         plan_blocks(**kw, max_len=100, head_dim=64)
@@ -275,20 +401,57 @@ def test_plan_blocks_rejects_bad_shapes():
         plan_blocks(**kw, max_len=64, head_dim=96)
     with pytest.raises(ValueError, match="block_k"):
         plan_blocks(**kw, max_len=64, head_dim=64, block_k=24)
+    assert kernels_mod.kernel_unsupported_reason(head_dim=64, max_len=64) is None
+    reason = kernels_mod.kernel_unsupported_reason(head_dim=64, max_len=100)
+    with pytest.raises(ValueError) as err:
+        plan_blocks(**kw, max_len=100, head_dim=64)
+    assert str(err.value) == reason
 
 
 # ----------------------------------------------------------------------------- API
 
 
-def test_attention_dispatch_on_cpu():
+def test_attention_dispatch_off_gpu(monkeypatch):
+    """impl="pallas" runs the kernel (interpret mode), "auto" off a GPU never touches it."""
     q, k, v, lengths, mask = make_inputs(
         5, batch=2, num_new=3, q_heads=4, kv_heads=2, head_dim=64, max_len=32,
         lengths=[0, 29], dtype=jnp.float32)
     ref = tree_attention_reference(q, k, v, lengths, mask)
-    for impl in ("auto", "xla", "pallas"):
-        assert_close(attention(q, k, v, lengths, mask, impl=impl), ref, jnp.float32)
+    assert_close(attention(q, k, v, lengths, mask, impl="pallas"), ref, jnp.float32)
+    monkeypatch.setattr(kernels_mod, "on_gpu", lambda: False)
+    monkeypatch.setattr(kernels_mod, "tree_attention", lambda *a, **kw: pytest.fail("auto used the kernel"))
+    assert_close(attention(q, k, v, lengths, mask, impl="auto"), ref, jnp.float32)
     with pytest.raises(ValueError, match="impl"):
         attention(q, k, v, lengths, mask, impl="cuda")
+
+
+def test_attention_auto_on_gpu_falls_back_once_per_reason(monkeypatch, caplog):
+    """On a GPU, impl="auto" with shapes the kernel cannot take uses the reference and logs
+    one warning per distinct reason; impl="pallas" still raises; good shapes use the kernel."""
+    kernel_calls = []
+    monkeypatch.setattr(kernels_mod, "on_gpu", lambda: True)
+    monkeypatch.setattr(kernels_mod, "_warned_reasons", set())
+    monkeypatch.setattr(kernels_mod, "tree_attention",
+                        lambda *a, **kw: kernel_calls.append(kw) or "kernel")
+    bad_d = make_inputs(8, batch=1, num_new=2, q_heads=2, kv_heads=1, head_dim=96, max_len=32,
+                        lengths=[3], dtype=jnp.float32)
+    bad_s = make_inputs(9, batch=1, num_new=2, q_heads=2, kv_heads=1, head_dim=64, max_len=40,
+                        lengths=[3], dtype=jnp.float32)
+    good = make_inputs(10, batch=1, num_new=2, q_heads=2, kv_heads=1, head_dim=64, max_len=32,
+                       lengths=[3], dtype=jnp.float32)
+    with caplog.at_level("WARNING", logger="specjax"):
+        for inputs in (bad_d, bad_d, bad_s, bad_s, bad_d):
+            assert_close(attention(*inputs, impl="auto"), numpy_attention(*inputs), jnp.float32)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "specjax"]
+    assert len(warnings) == 2, warnings
+    assert "head_dim" in warnings[0] and "S=40" in warnings[1]
+    assert kernel_calls == []
+    assert attention(*good, impl="auto") == "kernel"
+    assert kernel_calls == [dict(sm_scale=None, layer=None, interpret=False)]
+    monkeypatch.setattr(kernels_mod, "tree_attention", tree_attention)
+    for inputs, message in ((bad_d, "head_dim"), (bad_s, "multiple of 16")):
+        with pytest.raises(ValueError, match=message):
+            attention(*inputs, impl="pallas")
 
 
 @pytest.mark.parametrize("fn", [tree_attention_reference, tree_attention])

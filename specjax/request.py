@@ -1,0 +1,218 @@
+"""One generate call made concrete: validated prompts, shape buckets, per-row seeds, compile cache, output.
+
+Both loops (plain in decode.py, speculative in speculative.py) share this module; the
+public `generate` (generate.py) sits above both and only dispatches, so the flow is one-way:
+generate -> {decode, speculative} -> request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import SamplingConfig
+from .decode import LoopConfig
+from .target import Target
+
+CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
+MAX_SEED = 2**32 - 1
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: list[list[int]]  # generated ids per prompt, prompt excluded, EOS included when hit
+    stats: dict[str, Any]
+    texts: list[str] | None = None  # decoded text when the target has a tokenizer
+    token_rounds: list[list[int]] | None = None  # speculative only: the round that emitted each token (0 = prefill)
+    spec_stats: Any = None  # speculative only: the loop's SpecStats pytree (numpy), per row and per depth
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The next power of two >= max(n, minimum): a shape bucket, so nearby sizes share one compile."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def round_cache_length(n: int) -> int:
+    """The one rounding rule for KV cache lengths: up to a multiple of CACHE_MULTIPLE."""
+    return -(-n // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
+def prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of token-id lists or a list of strings")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    ids = [target.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    for i, row in enumerate(ids):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in row if not 0 <= t < target.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.cfg.vocab_size})")
+    return ids
+
+
+def cache_length(target: Target, ids: list[list[int]], max_new_tokens: int, max_len: int | None,
+                 draft_nodes: int) -> int:
+    """The KV cache length for this call, or a ValueError when the prompts cannot fit.
+
+    Active rows write at most `longest + max_new_tokens - 2 + draft_nodes` positions (a
+    round's N nodes go after the prefix; the last emitted token is never cached), and
+    prefill writes the whole padded prompt bucket. The cache holds both, rounded up by
+    `round_cache_length`; an explicit max_len is a limit that is checked, then rounded the
+    same way. Positions past the cache are dropped on write and never read (see kernels/).
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    longest = max(len(r) for r in ids)
+    needed = longest + max_new_tokens + draft_nodes
+    context = target.cfg.max_position_embeddings
+    if longest + max_new_tokens > context:
+        raise ValueError(f"the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} it "
+                         f"exceeds the model's context of {context} (max_position_embeddings)")
+    window = target.cfg.sliding_window
+    if window is not None and needed > window:
+        raise ValueError(f"this model uses sliding-window attention (window {window}), which specjax does not "
+                         f"implement; keep prompt + max_new_tokens{' + draft nodes' if draft_nodes else ''} within "
+                         f"{window} tokens")
+    if max_len is not None:
+        if needed > max_len:
+            raise ValueError(f"the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens}"
+                             f"{f' and a draft of {draft_nodes} nodes' if draft_nodes else ''} it needs a cache of "
+                             f"{needed} positions, more than max_len={max_len}")
+        return round_cache_length(max(max_len, bucket(longest)))
+    return round_cache_length(max(bucket(longest) + bucket(max_new_tokens), needed))
+
+
+def pad_batch(ids: list[list[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad prompts to a length bucket and the batch to a power of two (padding rows get no budget)."""
+    b, t = bucket(len(ids), minimum=1), bucket(max(len(r) for r in ids))
+    prompt_BT = np.zeros((b, t), np.int32)
+    prompt_len_B = np.ones((b,), np.int32)
+    max_new_B = np.zeros((b,), np.int32)
+    for i, row in enumerate(ids):
+        prompt_BT[i, : len(row)] = row
+        prompt_len_B[i] = len(row)
+        max_new_B[i] = max_new_tokens
+    return prompt_BT, prompt_len_B, max_new_B
+
+
+def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """Per-row (seed, fold) pairs: row b's key is fold_in(key(seed_b), fold_b).
+
+    seed=int: every row uses that seed, folded with its row index (rows differ; row 0
+    alone equals row 0 in a batch). seed=[s0, s1, ...]: one seed per prompt, fold 0, so a
+    prompt draws the same tokens at any row of any batch. seed=None: fresh seeds per
+    prompt, returned so the run can be repeated with seed=<them>.
+    """
+    def check(s) -> int:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) <= MAX_SEED:
+            raise ValueError(f"a seed must be an integer in [0, {MAX_SEED}], got {s!r}")
+        return int(s)
+
+    seeds_B, fold_B = np.zeros((batch,), np.uint32), np.zeros((batch,), np.uint32)
+    if seed is None:
+        used = [secrets.randbelow(MAX_SEED + 1) for _ in range(n_rows)]
+        seeds_B[:n_rows] = used
+    elif isinstance(seed, (int, np.integer)):
+        seeds_B[:] = check(seed)
+        fold_B[:] = np.arange(batch)
+        used = check(seed)
+    elif isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
+        used = [check(s) for s in seed]
+        if len(used) != n_rows:
+            raise ValueError(f"seed has {len(used)} entries for {n_rows} prompts: pass one seed per prompt, "
+                             "a single int, or None")
+        seeds_B[:n_rows] = used
+    else:
+        raise ValueError(f"seed must be an int, a list of one int per prompt, or None; got {seed!r}")
+    return seeds_B, fold_B, used
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One validated call, bucketed: padded prompt arrays, per-row seeds and the static loop configuration."""
+
+    ids: list[list[int]]
+    prompt_BT: np.ndarray
+    prompt_len_B: np.ndarray
+    max_new_B: np.ndarray
+    seeds_B: np.ndarray
+    fold_B: np.ndarray
+    seeds_used: int | list[int]
+    lc: LoopConfig
+
+    def arrays(self) -> tuple:
+        """The jitted loops' array arguments after params: prompts, lengths, budgets, per-row seeds and folds."""
+        return tuple(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
+                                                self.fold_B))
+
+
+def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: SamplingConfig, eos_token_id,
+            max_len: int | None, seed, draft_nodes: int = 0) -> Request:
+    """Validate prompts, lengths and seeds (`draft_nodes` cache slots for one draft) and bucket the shapes."""
+    ids = prompt_ids(target, prompts)
+    cache_len = cache_length(target, ids, max_new_tokens, max_len, draft_nodes)
+    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
+    seeds_B, fold_B, used = row_seeds(seed, len(ids), prompt_BT.shape[0])
+    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(max_new_tokens), cache_len,
+                    target.attn_impl)
+    return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, lc)
+
+
+def eos_ids(target: Target, override: int | Sequence[int] | None) -> tuple[int, ...]:
+    if override is None:
+        return target.cfg.eos_token_ids
+    return (int(override),) if isinstance(override, (int, np.integer)) else tuple(int(t) for t in override)
+
+
+def params_signature(tree) -> tuple:
+    """What a compiled executable is specialised to: tree structure, and each leaf's shape, dtype and sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+                          for x in leaves)
+
+
+def run_compiled(target: Target, key: tuple, fn, args: tuple, static: dict) -> tuple[Any, float, float]:
+    """Compile `fn` once per (key, argument signature) on this target (cached), then run it.
+
+    Returns (result, compile_s, run_s). The signature of every array argument (params
+    included) is part of the cache key, so two drafters whose params differ in structure,
+    shape, dtype or sharding get their own executables instead of a type error.
+    """
+    full_key = (*key, params_signature(args))
+    compile_s = 0.0
+    if full_key not in target.compiled:
+        start = time.perf_counter()
+        target.compiled[full_key] = fn.lower(*args, **static).compile()
+        compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = jax.block_until_ready(target.compiled[full_key](*args))
+    return result, compile_s, time.perf_counter() - start
+
+
+def finish(target: Target, req: Request, out_BO, count_B, compile_s: float, run_s: float,
+           extra_stats: dict[str, Any], round_BO=None, spec_stats=None) -> GenerateOutput:
+    """Trim the output buffers to each row's tokens and assemble the statistics every call reports."""
+    count_B = np.asarray(count_B)
+    tokens = trim(np.asarray(out_BO), count_B, len(req.ids))
+    n = sum(len(t) for t in tokens)
+    stats = {"tokens_per_s": n / run_s, "compile_s": compile_s, "decode_s": run_s, "generated_tokens": n,
+             **extra_stats, "batch_bucket": req.prompt_BT.shape[0], "cache_len": req.lc.cache_len,
+             "seed": req.seeds_used}
+    rounds = None if round_BO is None else trim(np.asarray(round_BO), count_B, len(req.ids))
+    return GenerateOutput(tokens, stats, decode_texts(target, tokens), rounds, spec_stats)
+
+
+def trim(out_BO: np.ndarray, count_B: np.ndarray, n_rows: int) -> list[list[int]]:
+    return [out_BO[i, : count_B[i]].tolist() for i in range(n_rows)]
+
+
+def decode_texts(target: Target, tokens: list[list[int]]) -> list[str] | None:
+    return [target.decode(t) for t in tokens] if target.tokenizer is not None else None

@@ -1,0 +1,107 @@
+"""Speculative-decoding statistics: a pytree the jitted loop updates every round, and its summary.
+
+Only what a row actually emits is counted: drafts accepted after an EOS, or past the row's
+token budget, are cut from the output and so are not acceptance either. Per depth the loop
+records nodes offered and accepted and the accepted node's rank among its siblings (the
+inputs of the planner's acceptance model), plus the compute spent: verified tokens (valid
+nodes of active rows), padded tokens (what the fixed-shape pass actually ran) and drafter
+forward passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .verify import Draft, Verdict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    rounds_B: jax.Array  # int32 [B]: rounds in which the row was active
+    emitted_B: jax.Array  # int32 [B]: tokens the row emitted in those rounds (prefill's token excluded)
+    accepted_B: jax.Array  # int32 [B]: emitted tokens that were drafts
+    offered_D: jax.Array  # int32 [D]: valid draft nodes at depth d+1 offered to active rows
+    accepted_D: jax.Array  # int32 [D]: accepted (and emitted) drafts at depth d+1
+    accepted_rank_DR: jax.Array  # int32 [D, R]: accepted drafts at depth d+1 that were their parent's r-th child
+    verified_tokens: jax.Array  # int32 []: valid nodes (root included) of active rows, summed over rounds
+    padded_tokens: jax.Array  # int32 []: B x N per loop iteration: the tokens the verify pass computed
+    drafter_calls: jax.Array  # int32 []: drafter forward passes
+    loop_rounds: jax.Array  # int32 []: iterations of the round loop
+
+    @classmethod
+    def zeros(cls, batch: int, max_depth: int, num_nodes: int) -> "SpecStats":
+        z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z(), z(),
+                   z())
+
+
+def sibling_ranks(parents_BN: jax.Array, valid_BN: jax.Array) -> jax.Array:
+    """int32 [B, N]: each node's rank among its valid siblings (earlier valid nodes with the same parent)."""
+    n = parents_BN.shape[1]
+    same_BNN = parents_BN[:, :, None] == parents_BN[:, None, :]
+    earlier_NN = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    return jnp.sum(same_BNN & earlier_NN[None] & valid_BN[:, None, :], axis=-1, dtype=jnp.int32)
+
+
+def record_round(stats: SpecStats, draft: Draft, depth_BN: jax.Array, verdict: Verdict, active_B: jax.Array,
+                 emit_B: jax.Array, drafter_calls: int) -> SpecStats:
+    """Add one round. verdict.num_accepted counts the root; emit_B is what the row emitted after cuts."""
+    b, n = draft.tokens.shape
+    max_depth, ranks = stats.accepted_rank_DR.shape
+    drafts_B = jnp.where(active_B, jnp.minimum(verdict.num_accepted - 1, emit_B), 0)  # emitted drafts
+    d_D = jnp.arange(1, max_depth + 1)
+    offered_BN = draft.valid & active_B[:, None]
+    offered_D = jnp.sum(offered_BN[:, :, None] & (depth_BN[:, :, None] == d_D), axis=(0, 1), dtype=jnp.int32)
+    # Accepted path node j (j = 1..drafts) sits at depth j; its rank among its siblings.
+    kept_BD = d_D[None, :] <= drafts_B[:, None]
+    path_BD = verdict.path[:, 1: max_depth + 1]
+    path_BD = jnp.pad(path_BD, ((0, 0), (0, max_depth - path_BD.shape[1])))
+    rank_BD = jnp.take_along_axis(sibling_ranks(draft.parents, draft.valid), path_BD, axis=1)
+    rank_hits_BDR = kept_BD[:, :, None] & (rank_BD[:, :, None] == jnp.arange(ranks))
+    return SpecStats(
+        rounds_B=stats.rounds_B + active_B,
+        emitted_B=stats.emitted_B + jnp.where(active_B, emit_B, 0),
+        accepted_B=stats.accepted_B + drafts_B,
+        offered_D=stats.offered_D + offered_D,
+        accepted_D=stats.accepted_D + jnp.sum(kept_BD, axis=0, dtype=jnp.int32),
+        accepted_rank_DR=stats.accepted_rank_DR + jnp.sum(rank_hits_BDR, axis=0, dtype=jnp.int32),
+        verified_tokens=stats.verified_tokens + jnp.sum(offered_BN, dtype=jnp.int32),
+        padded_tokens=stats.padded_tokens + b * n,
+        drafter_calls=stats.drafter_calls + drafter_calls,
+        loop_rounds=stats.loop_rounds + 1,
+    )
+
+
+def summarize(stats: SpecStats, n_rows: int) -> dict[str, Any]:
+    """JSON-friendly figures for `out.stats` (real prompts only; padding rows never emit).
+
+    acceptance_length (tau) = tokens emitted per round, the bonus included; per-position
+    acceptance = P(the draft at depth d was emitted) per round; acceptance_rate_at_depth =
+    accepted / offered at that depth (for trees: any node at that depth).
+    """
+    s = jax.tree.map(np.asarray, stats)
+    rounds = max(int(s.rounds_B[:n_rows].sum()), 1)
+    emitted = int(s.emitted_B[:n_rows].sum())
+    loops = max(int(s.loop_rounds), 1)
+    return {
+        "acceptance_length": emitted / rounds,
+        "per_position_acceptance": (s.accepted_D / rounds).tolist(),
+        "acceptance_rate_at_depth": (s.accepted_D / np.maximum(s.offered_D, 1)).tolist(),
+        "offered_at_depth": s.offered_D.tolist(),
+        "accepted_at_depth": s.accepted_D.tolist(),
+        "accepted_child_rank": s.accepted_rank_DR.tolist(),
+        "rounds": int(s.loop_rounds),
+        "row_rounds": s.rounds_B[:n_rows].tolist(),
+        "accepted_drafts": int(s.accepted_B[:n_rows].sum()),
+        "verified_tokens_per_round": int(s.verified_tokens) / loops,
+        "padded_tokens_per_round": int(s.padded_tokens) / loops,
+        "drafter_calls": int(s.drafter_calls),
+        # One drafter pass serves every row: passes per token of one row.
+        "drafter_calls_per_token": int(s.drafter_calls) * n_rows / max(emitted, 1),
+    }
