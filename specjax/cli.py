@@ -7,10 +7,13 @@ import json
 import sys
 
 
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}  # CLI spelling -> dtype name
+
+
 def _convert(args) -> int:
     from .target import convert
 
-    dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}[args.dtype]
+    dtype = DTYPES[args.dtype]
     dst = convert(args.src, args.dst, dtype=dtype, overwrite=args.overwrite)
     print(f"wrote {dst}")
     return 0
@@ -39,7 +42,8 @@ def _demo(args) -> int:
     from .demo import EMBEDDED, run_demo
 
     run_demo(args.target or EMBEDDED / "target", args.draft or EMBEDDED / "draft", max_new_tokens=args.max_new_tokens,
-             num_draft_tokens=args.num_draft_tokens)
+             num_draft_tokens=args.num_draft_tokens,
+             dtype=DTYPES[args.dtype])
     return 0
 
 
@@ -73,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="default: checkpoints/tiny/draft")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                   help="target dtype (default: the checkpoint's, fp32); in bf16/fp16 the match rate is reported")
     p.set_defaults(fn=_demo)
 
     from .bench_ar import add_arguments as add_ar, main as bench_ar
