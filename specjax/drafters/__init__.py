@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .base import Drafter, PrefillContext, Settings
 from .draft_model import DraftModelDrafter
+from .eagle3 import Eagle3Drafter, eagle3_drafter
 from .ngram import NgramDrafter
 from .replay import ReplayDrafter, replay_drafter
 
-__all__ = ["Drafter", "DraftModelDrafter", "NgramDrafter", "PrefillContext", "ReplayDrafter", "Settings",
-           "load_drafter", "replay_drafter"]
+__all__ = ["Drafter", "DraftModelDrafter", "Eagle3Drafter", "NgramDrafter", "PrefillContext", "ReplayDrafter",
+           "Settings", "drafter_family", "load_drafter", "replay_drafter"]
+
+
+def drafter_family(path: str | Path) -> str:
+    """'eagle3' or 'draft_model', from the directory's config.json.
+
+    EAGLE-3 heads say so by an `eagle_config`, an architecture named *Eagle3 (SpecForge) or a
+    `draft_vocab_size` (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer).
+    """
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
+    hf = json.loads(config.read_text())
+    archs = hf.get("architectures") or []
+    if "eagle_config" in hf or "draft_vocab_size" in hf or any("eagle3" in a.lower() for a in archs):
+        return "eagle3"
+    return "draft_model"
 
 
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None) -> Drafter:
-    """Load a drafter checkpoint for `target`, refusing one that does not fit it.
+    """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
-    A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a
-    draft model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
+    - An EAGLE-3 head (SafeAILab or SpecForge format) becomes an `Eagle3Drafter` reading the
+      target's features; hidden size, vocabulary, d2t and tap layers are checked against the target.
+    - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
+      model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
     """
     from ..target import load
 
+    if drafter_family(path) == "eagle3":
+        return eagle3_drafter(path, target, attn_impl=attn_impl)
     model = load(path, attn_impl=attn_impl or target.attn_impl)
     if model.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {model.cfg.vocab_size} but the target has "

@@ -66,9 +66,18 @@ def causal_mask(t: int) -> jax.Array:
 
 def qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
     """The attention half of a layer up to attention itself: pre-norm, projections, q/k norms, RoPE."""
-    b, t, _ = h_BTD.shape
-    x_BTD = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = x_BTD @ p["wq"], x_BTD @ p["wk"], x_BTD @ p["wv"]
+    return project_qkv(cfg, p, rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps), positions_BT, inv_freq)
+
+
+def project_qkv(cfg: ModelConfig, p: dict, x_BTX: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+    """q/k/v from an input that is already normed (or fused): projections, biases, q/k norms, RoPE.
+
+    The part of `qkv` after its pre-norm, for layers whose attention input is built some other
+    way (an EAGLE-3 head projects concat(norm(embedding), norm(hidden)), width 2H). The input
+    width is whatever the weights take.
+    """
+    b, t, _ = x_BTX.shape
+    q, k, v = x_BTX @ p["wq"], x_BTX @ p["wk"], x_BTX @ p["wv"]
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)

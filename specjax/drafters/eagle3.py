@@ -1,0 +1,293 @@
+"""EAGLE-3 head: a one-layer drafter that reads target features from three depths.
+
+Inference math (the SafeAILab/EAGLE `cnets.Model` forward, written in specjax's terms):
+
+    first step:   h = fc(concat(g_low, g_mid, g_high))        3 x target hidden -> H, no bias
+    every step:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))     embedding first, 2H
+                  q, k, v = x @ Wq, Wk, Wv; RoPE (head_dim = H / heads, the head's own base)
+                  h' = h + o_proj(attention over the head's own KV cache)
+                  h' = h' + mlp(post_attention_layernorm(h'))                 pre-norm output
+                  logits = lm_head(norm(h'))                                  over the draft vocab
+    later steps feed h' back as h (no fc), so the head drafts a chain from its own output.
+
+Pairing: feature row p (the target's hidden states at token t_p) goes with the embedding
+of t_{p+1}; the row of the newest token goes with the token just chosen. A draft id maps
+to a target id as `draft_id + d2t[draft_id]`.
+
+Params ([in, out] matrices, as everywhere in specjax):
+    fc [3*Ht, H]; layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
+    wk/wv [2H, Hkv*D], wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm), w_gate/w_up
+    [H, F], w_down [F, H]}; final_norm [H]; lm_head [H, Vd]; d2t int32 [Vd];
+    embed [V, H] (the target's table unless the checkpoint carries its own).
+The layer keys are the decoder's, so `models.decoder.project_qkv` and `attn_out_and_mlp`
+run it unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.kernels import attention
+
+from ..cache import KVCache, init_cache, write_layer
+from ..config import ModelConfig, RopeConfig
+from ..models.decoder import attn_out_and_mlp, causal_mask, project_qkv, rms_norm, rope_inv_freq
+from ..sampling import sample_rows, sampling_logprobs, split_rows
+from ..tree import spec_arrays
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings, accepted_tokens, require_chain
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """Shape and numerics of one EAGLE-3 head, and the target features it reads.
+
+    feature_layers: target hidden states in Hugging Face numbering (i = the residual stream
+    entering layer i), in the order they are concatenated for fc.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (t2d length)
+    draft_vocab_size: int
+    target_hidden_size: int
+    feature_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def layer_cfg(self) -> ModelConfig:
+        """The head's decoder layer as a ModelConfig, for the shared decoder and cache helpers."""
+        return ModelConfig(vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           rope=self.rope, dtype=self.dtype)
+
+
+def param_shapes(cfg: Eagle3Config) -> dict:
+    """Every parameter's shape except `embed` (usually the target's): what conversion checks against."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = {"embed_norm": (h,), "hidden_norm": (h,), "wq": (2 * h, qd), "wk": (2 * h, kvd), "wv": (2 * h, kvd),
+             "wo": (qd, h), "mlp_norm": (h,), "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+    return {"fc": (3 * cfg.target_hidden_size, h), "layer": layer, "final_norm": (h,),
+            "lm_head": (h, cfg.draft_vocab_size), "d2t": (cfg.draft_vocab_size,)}
+
+
+def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
+    """Random head params around the given embedding table (for tests): unit-ish norms, 1/sqrt(in) matrices."""
+    dtype = jnp.dtype(cfg.dtype)
+    shapes = param_shapes(cfg)
+    flat = {("layer", k): s for k, s in shapes["layer"].items()} | {
+        (k,): s for k, s in shapes.items() if k not in ("layer", "d2t")}
+    keys = dict(zip(flat, jax.random.split(key, len(flat) + 1)))
+    d2t_key = jax.random.fold_in(key, 7)
+
+    def make(path, shape):
+        k = keys[path]
+        if "norm" in path[-1]:
+            return (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
+        scale = 1.0 if path[-1] == "lm_head" else shape[0] ** -0.5
+        return (scale * jax.random.normal(k, shape)).astype(dtype)
+
+    used = jnp.sort(jax.random.permutation(d2t_key, cfg.vocab_size)[: cfg.draft_vocab_size])
+    params = {k: make((k,), s) for k, s in shapes.items() if k not in ("layer", "d2t")}
+    params["layer"] = {k: make(("layer", k), s) for k, s in shapes["layer"].items()}
+    params["d2t"] = (used - jnp.arange(cfg.draft_vocab_size)).astype(jnp.int32)
+    params["embed"] = embed
+    return params
+
+
+def concat_features(features: Sequence[jax.Array]) -> jax.Array:
+    """[B, T, 3*Ht] from the three taps [B, T, Ht], in feature_layers order (the fc input)."""
+    return jnp.concatenate(list(features), axis=-1)
+
+
+def fuse_features(params: dict, features_BTF: jax.Array) -> jax.Array:
+    """fc: target features [B, T, 3*Ht] -> the head's hidden input [B, T, H]. First step only."""
+    return features_BTF.astype(params["fc"].dtype) @ params["fc"]
+
+
+def init_head_cache(cfg: Eagle3Config, batch: int, max_len: int) -> KVCache:
+    """The head's own KV cache: one layer, a [B, S, Hkv, D] buffer, lengths 0."""
+    return init_cache(cfg.layer_cfg, batch, max_len, per_layer=True)
+
+
+def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *,
+             positions_BT: jax.Array | None = None, mask_BTT: jax.Array | None = None,
+             attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+    """The head's decoder layer over T new tokens per row after each row's cached prefix.
+
+    ids_BT are target token ids (embedded with params["embed"]); h_BTD the hidden input (fc of
+    the features, or the head's own previous output). K/V are written at `lengths + t`;
+    lengths stay unchanged (the caller advances or commits, as for the target's forward).
+    positions default to `lengths + t`, mask_BTT (query i sees new token j) to causal.
+    Returns the pre-norm hidden states [B, T, H] and the cache.
+    """
+    b, t = ids_BT.shape
+    lcfg = cfg.layer_cfg
+    p = params["layer"]
+    lengths_B = cache.lengths
+    if positions_BT is None:
+        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if mask_BTT is None:
+        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    emb_BTD = params["embed"][ids_BT].astype(h_BTD.dtype)
+    x_BT2D = jnp.concatenate([rms_norm(emb_BTD, p["embed_norm"], cfg.rms_norm_eps),
+                              rms_norm(h_BTD, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    q_BTHD, k_BTKD, v_BTKD = project_qkv(lcfg, p, x_BT2D, positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    (k_buf,), (v_buf,) = cache.k, cache.v
+    k_buf = write_layer(k_buf, None, k_BTKD, lengths_B)
+    v_buf = write_layer(v_buf, None, v_BTKD, lengths_B)
+    o_BTHD = attention(q_BTHD, k_buf, v_buf, lengths_B, mask_BTT, impl=attn_impl, finite_cache=True)
+    return attn_out_and_mlp(lcfg, p, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
+
+
+def draft_logits(cfg: Eagle3Config, params: dict, h_BTD: jax.Array) -> jax.Array:
+    """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
+    x_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", x_BTD, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
+    """Target token ids of draft-vocabulary ids: draft_id + d2t[draft_id]."""
+    return (draft_ids + params["d2t"][draft_ids]).astype(jnp.int32)
+
+
+def target_logits(cfg: Eagle3Config, params: dict, draft_logits_XV: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits scattered into the target vocabulary [..., V]; tokens outside it get -inf.
+
+    For samplers and verifiers that work in target ids (q over the target vocabulary).
+    """
+    ids_V = to_target_ids(params, jnp.arange(cfg.draft_vocab_size))
+    full = jnp.full((*draft_logits_XV.shape[:-1], cfg.vocab_size), -jnp.inf, draft_logits_XV.dtype)
+    return full.at[..., ids_V].set(draft_logits_XV)
+
+
+# ---- the drafter: chains ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """EAGLE-3 chains behind the Drafter protocol.
+
+    State: the head's KV cache, whose `lengths` equal the target's (head row p holds the true
+    features of target position p paired with the token at p + 1), and `last_h_BD`, the head's
+    pre-norm output at the newest committed row: the one paired with the current root, so its
+    logits are the first draft.
+
+    init    runs the head over the prompt: rows g_0..g_{P-1} (fc of the three taps) with tokens
+            t_1..t_{P-1}, root; positions 0..P-1.
+    propose turns last_h into draft 1, then feeds its own hidden back with each draft token
+            (K - 1 head passes at positions P, P + 1, ...; their K/V are provisional).
+    update  recomputes the accepted path from the target's true features at the verified nodes,
+            paired with the next accepted token (the bonus for the last), overwriting the
+            provisional K/V, and advances lengths by the number accepted.
+    params: see the module docstring; `embed` must be present (the target's table, see `eagle3_drafter`).
+    """
+
+    cfg: Eagle3Config
+    params: Any = dataclasses.field(compare=False, repr=False)
+    settings: Settings | None = None
+    attn_impl: str = "auto"
+    name: str = "eagle3"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def configure(self, settings: Settings) -> "Eagle3Drafter":
+        require_chain(self.name, settings)
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return self.settings.tree.num_nodes - 1  # K - 1 drafting passes + the update pass
+
+    def _rows(self, params, ids_BT, features, cache, positions_BT=None):
+        """Head pass from target features: fc, then the layer; cache lengths unchanged."""
+        h_BTD = fuse_features(params, concat_features(features))
+        return midlayer(self.cfg, params, ids_BT, h_BTD, cache, positions_BT=positions_BT, attn_impl=self.attn_impl)
+
+    def init(self, params, ctx: PrefillContext):
+        b, t = ctx.prompt.shape
+        cache = init_head_cache(self.cfg, b, self.settings.cache_len)
+        rows_BT = jnp.arange(t)[None, :]
+        last_B1 = (ctx.prompt_len - 1)[:, None]
+        next_BT = jnp.concatenate([ctx.prompt[:, 1:], ctx.prompt[:, :1]], axis=1)  # row p -> t_{p+1}
+        next_BT = jnp.where(rows_BT == last_B1, ctx.root[:, None], next_BT)
+        h_BTD, cache = self._rows(params, next_BT, ctx.features, cache)
+        last_h_BD = jnp.take_along_axis(h_BTD, last_B1[:, :, None], axis=1)[:, 0]
+        return KVCache(cache.k, cache.v, ctx.prompt_len), last_h_BD
+
+    def _choose(self, params, keys_B, h_BD):
+        """Next draft (a target id) from the head's hidden, and q over the target vocabulary when sampling."""
+        logits_BV = draft_logits(self.cfg, params, h_BD[:, None])[:, 0]
+        if self.settings.sampling.greedy:
+            return to_target_ids(params, jnp.argmax(logits_BV, axis=-1)), None
+        logp_BV = sampling_logprobs(target_logits(self.cfg, params, logits_BV), self.settings.sampling)
+        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
+
+    def propose(self, params, state, root_B, keys_B):
+        cache, last_h_BD = state
+        length_B = cache.lengths
+        k = self.settings.tree.num_nodes - 1
+        keys = split_rows(keys_B, k)
+        tok_B, q_BV = self._choose(params, keys[0], last_h_BD)
+
+        def step(carry, xs):
+            kc, vc, tok_B, h_BD = carry
+            i, step_keys_B = xs
+            h_B1D, c = midlayer(self.cfg, params, tok_B[:, None], h_BD[:, None], KVCache(kc, vc, length_B + i),
+                                attn_impl=self.attn_impl)
+            nxt_B, q_BV = self._choose(params, step_keys_B, h_B1D[:, 0])
+            return (c.k, c.v, nxt_B, h_B1D[:, 0]), (nxt_B, q_BV)
+
+        (kc, vc, _, _), (rest_KB, rest_q) = lax.scan(step, (cache.k, cache.v, tok_B, last_h_BD),
+                                                     (jnp.arange(k - 1, dtype=jnp.int32), keys[1:]))
+        tokens_BN = jnp.concatenate([root_B[:, None], tok_B[:, None], rest_KB.T], axis=1)
+        q = None
+        if q_BV is not None:
+            q = jnp.concatenate([jnp.zeros_like(q_BV)[:, None], q_BV[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
+        b = root_B.shape[0]
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        return draft, (KVCache(kc, vc, length_B), last_h_BD)
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        cache, last_h_BD = state
+        path_BN = verdict.path
+        feats = tuple(jnp.take_along_axis(f, path_BN[:, :, None], axis=1) for f in features)
+        next_BN = accepted_tokens(draft, verdict)  # row i (node path[i]) pairs with the token after it
+        h_BND, cache = self._rows(params, next_BN, feats, cache)
+        last_B11 = jnp.maximum(verdict.num_accepted - 1, 0)[:, None, None]
+        new_h_BD = jnp.take_along_axis(h_BND, last_B11, axis=1)[:, 0]
+        last_h_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_h_BD, last_h_BD)
+        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_h_BD
+
+
+def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> Eagle3Drafter:
+    """An Eagle3Drafter from a SafeAILab / SpecForge head directory, checked against `target`.
+
+    Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy).
+    """
+    from ..convert.eagle3 import load_eagle3  # noqa: PLC0415 (convert imports this module)
+
+    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype)
+    params = jax.tree.map(jnp.asarray, host)
+    params.setdefault("embed", target.params["embed"])
+    return Eagle3Drafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
