@@ -1,4 +1,4 @@
-"""The `specjax` command: convert, generate, bench, demo."""
+"""The `specjax` command: convert, generate, bench, plan, profile, demo."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ def _convert(args) -> int:
 
     dtype = DTYPES[args.dtype]
     dst = convert(args.src, args.dst, dtype=dtype, overwrite=args.overwrite)
+    print(f"wrote {dst}")
+    return 0
+
+
+def _export(args) -> int:
+    from .export import export
+
+    dst = export(args.src, args.dst, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
     print(f"wrote {dst}")
     return 0
 
@@ -58,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_convert)
 
+    p = sub.add_parser("export", help="specjax checkpoint or EAGLE-3 training run -> Hugging Face / SafeAILab dir")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: the source's")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_export)
+
     p = sub.add_parser("generate", help="continue prompts (text, or space-separated ids without a tokenizer)")
     p.add_argument("model")
     p.add_argument("--prompt", action="append", required=True)
@@ -68,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="a draft-model checkpoint dir")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length (default 4)")
-    p.add_argument("--tree", default=None, help="draft tree instead of a chain, e.g. kary:3,2,1")
+    p.add_argument("--tree", default=None,
+                   help="draft tree instead of a chain, e.g. kary:3,2,1 or dynamic:top_k=8,depth=5,total_tokens=60")
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.set_defaults(fn=_generate)
 
@@ -80,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="target dtype (default: the checkpoint's, fp32); in bf16/fp16 the match rate is reported")
     p.set_defaults(fn=_demo)
+
+    from .advisor import add_plan_arguments, add_profile_arguments, plan_main, profile_main
+
+    p = sub.add_parser("plan", help="best draft shape per concurrency (tree, chain K or off), predicted speedup")
+    add_plan_arguments(p)
+    p.set_defaults(fn=plan_main)
+    p = sub.add_parser("profile", help="time verify rounds and drafting on this device; write a profile JSON")
+    add_profile_arguments(p)
+    p.set_defaults(fn=profile_main)
 
     from .bench_ar import add_arguments as add_ar, main as bench_ar
     from .bench_spec import add_arguments as add_spec, main as bench_spec

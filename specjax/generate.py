@@ -10,6 +10,7 @@ from typing import Sequence
 
 from .config import SamplingConfig
 from .decode import ar_generate
+from .planner import auto_shape
 from .request import GenerateOutput, bucket, finish, prepare, run_compiled
 from .speculative import speculative_generate
 from .target import Target
@@ -29,6 +30,9 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
       same tokens at any row of any batch), or None for fresh randomness (reported in
       out.stats["seed"], pass it back to repeat the run).
     num_draft_tokens / tree: the draft shape, one or the other (default: a chain of 4); only with a drafter.
+      "auto": the planner picks it for this batch (num_draft_tokens="auto": a chain or off; tree="auto":
+      a tree, a chain or off) from a short calibration run, cached per (target, drafter, batch bucket);
+      "off" runs the plain loop. The choice is in out.stats["plan"].
     eos_token_id: overrides the checkpoint's EOS ids; [] disables stopping on EOS.
     max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
     """
@@ -38,15 +42,39 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
             given = "num_draft_tokens" if num_draft_tokens is not None else "tree"
             raise ValueError(f"{given}= shapes a speculative draft but no drafter was given: pass drafter= "
                              f"(e.g. specjax.load_drafter(path, target)), or drop {given}=")
-        req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed)
-        (out_BO, count_B, steps), compile_s, run_s = run_compiled(
-            target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()),
-            {"lc": req.lc})
-        return finish(target, req, out_BO, count_B, compile_s, run_s,
-                      {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": int(steps)})
+        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
+    if "auto" in (num_draft_tokens, tree):
+        return _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree,
+                              eos_token_id, max_len)
     if num_draft_tokens is not None and tree is not None:
         raise ValueError(f"pass either num_draft_tokens={num_draft_tokens} (a chain) or tree={tree!r}, not both; "
                          f"a chain of K is also tree='chain:K'")
     spec = parse_tree(tree, num_draft_tokens)
     return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
                                 seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len)
+
+
+def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,
+                   max_len) -> GenerateOutput:
+    """num_draft_tokens="auto" / tree="auto": ask the planner for the shape, then run that loop."""
+    other = tree if num_draft_tokens == "auto" else num_draft_tokens
+    if other is not None and other != "auto":
+        raise ValueError(f"num_draft_tokens={num_draft_tokens!r} with tree={tree!r}: with 'auto' leave the other "
+                         f"one unset (num_draft_tokens='auto' plans chains, tree='auto' plans trees and chains)")
+    spec, plan = auto_shape(target, drafter, prompts, trees=tree == "auto", sampling=sampling, seed=seed,
+                            eos_token_id=eos_token_id, max_new_tokens=max_new_tokens)
+    if spec is None:
+        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, {"plan": plan})
+    out = speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
+                               seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len)
+    out.stats["plan"] = plan
+    return out
+
+
+def _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, extra=None) -> GenerateOutput:
+    """The plain autoregressive loop (no drafter, or the planner said "off")."""
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed)
+    (out_BO, count_B, steps), compile_s, run_s = run_compiled(
+        target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()), {"lc": req.lc})
+    return finish(target, req, out_BO, count_B, compile_s, run_s,
+                  {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": int(steps), **(extra or {})})

@@ -26,7 +26,7 @@ from .request import GenerateOutput, finish, prepare, run_compiled
 from .sampling import choose_token, row_keys, split_rows
 from .stats import SpecStats, record_round, summarize
 from .target import Target
-from .tree import TreeSpec, ancestor_mask, depths
+from .tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
 from .verify import Verdict, verify
 
 
@@ -94,11 +94,12 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
 
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
-                         sampling: SamplingConfig, seed, spec: TreeSpec, eos_token_id,
+                         sampling: SamplingConfig, seed, spec: TreeSpec | DynamicTreeSpec, eos_token_id,
                          max_len: int | None) -> GenerateOutput:
     """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics."""
     check_drafter_fits(drafter, target)
-    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, draft_nodes=spec.num_nodes)
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed,
+                  draft_nodes=spec.cache_slots)
     configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
     result, compile_s, run_s = run_compiled(
         target, ("spec", req.lc, configured, req.prompt_BT.shape), spec_generate,

@@ -2,9 +2,11 @@
 
 A tree is a parents array: node 0 is the root (parent -1), every other node's parent
 has a smaller index (topological order). A chain of K drafts is parents (-1, 0, 1, ...,
-K-1). Static templates are `TreeSpec`s (hashable, fixed at compile time); dynamic trees
-are parents arrays built under jit. Masks, depths and positions are computed from
-parents under jit either way.
+K-1). Static templates are `TreeSpec`s (hashable, fixed at compile time). A
+`DynamicTreeSpec` fixes only the shape of an EAGLE-2 dynamic tree (top_k, depth,
+total_tokens); the drafter builds each row's parents array under jit every round
+(dynamic_tree.py). Masks, depths and positions are computed from parents under jit
+either way.
 """
 
 from __future__ import annotations
@@ -51,6 +53,74 @@ class TreeSpec:
     @property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.parents) - 1))
+
+    @property
+    def cache_slots(self) -> int:
+        """Cache positions after a row's prefix one round writes (the N nodes)."""
+        return len(self.parents)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeSpec:
+    """The fixed shape of an EAGLE-2 dynamic draft tree, whose nodes the drafter picks each round.
+
+    As in EAGLE-2 (SafeAILab/EAGLE cnets.py `topK_genrate`): the first draft step gives the
+    root's `top_k` best tokens; each of `depth` expansion steps runs the `top_k` best nodes of
+    the newest level (by cumulative log-probability over the draft vocabulary) and scores their
+    `top_k` children; finally the `total_tokens - 1` best of all `top_k + depth * top_k**2`
+    candidates form the tree. `total_tokens` counts the root, so a draft has N = total_tokens
+    nodes; paths reach `depth + 1` drafted tokens. Hashable, so static under jit.
+    """
+
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    def __post_init__(self):
+        for name in ("top_k", "depth", "total_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dynamic tree {name} must be a positive integer, got {value!r}")
+        if self.total_tokens < 2:
+            raise ValueError(f"dynamic tree total_tokens counts the root, so it must be >= 2 for any draft; "
+                             f"got {self.total_tokens}")
+        if self.total_tokens - 1 > self.num_candidates:
+            raise ValueError(f"dynamic tree total_tokens={self.total_tokens} keeps {self.total_tokens - 1} drafts, "
+                             f"but top_k={self.top_k}, depth={self.depth} only yields top_k + depth*top_k^2 = "
+                             f"{self.num_candidates} candidates; lower total_tokens or raise top_k/depth")
+
+    @property
+    def num_nodes(self) -> int:
+        """N: nodes per draft, root included."""
+        return self.total_tokens
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest possible node: the first draft step plus `depth` expansion steps."""
+        return self.depth + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return False
+
+    @property
+    def num_candidates(self) -> int:
+        """Scored candidates: the root's top_k children plus top_k^2 per expansion step."""
+        return self.top_k + self.depth * self.top_k * self.top_k
+
+    @property
+    def num_expanded(self) -> int:
+        """Nodes a sequential drafter runs while building the tree (top_k per expansion step), root excluded."""
+        return self.depth * self.top_k
+
+    @property
+    def cache_slots(self) -> int:
+        """Cache positions after a row's prefix one round may write: the verify pass's N nodes, or the
+        root plus every expanded node in a drafter's own cache, whichever is more."""
+        return max(self.num_nodes, 1 + self.num_expanded)
+
+    def __str__(self) -> str:
+        return f"dynamic:top_k={self.top_k},depth={self.depth},total_tokens={self.total_tokens}"
 
 
 def chain(num_draft_tokens: int) -> TreeSpec:
@@ -109,16 +179,39 @@ def child_ranks(spec: TreeSpec) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def parse_tree(spec: str | TreeSpec | Sequence | None, num_draft_tokens: int | None) -> TreeSpec:
-    """Resolve the user's tree argument: None -> chain of K, "chain:K", "kary:3,2,1", a choice list, or a TreeSpec."""
+def parse_dynamic(text: str) -> DynamicTreeSpec:
+    """"dynamic:top_k=K,depth=D,total_tokens=T" (keys in any order, all three required)."""
+    body = text.replace(" ", "")[len("dynamic:"):]
+    usage = "use 'dynamic:top_k=K,depth=D,total_tokens=T' (e.g. dynamic:top_k=8,depth=5,total_tokens=60)"
+    values: dict[str, int] = {}
+    for item in filter(None, body.split(",")):
+        m = re.fullmatch(r"(top_k|depth|total_tokens)=(\d+)", item)
+        if not m:
+            raise ValueError(f"bad dynamic tree spec {text!r} at {item!r}; {usage}")
+        if m.group(1) in values:
+            raise ValueError(f"dynamic tree spec {text!r} gives {m.group(1)} twice; {usage}")
+        values[m.group(1)] = int(m.group(2))
+    missing = [k for k in ("top_k", "depth", "total_tokens") if k not in values]
+    if missing:
+        raise ValueError(f"dynamic tree spec {text!r} lacks {', '.join(missing)}; {usage}")
+    return DynamicTreeSpec(values["top_k"], values["depth"], values["total_tokens"])
+
+
+def parse_tree(spec: str | TreeSpec | DynamicTreeSpec | Sequence | None,
+               num_draft_tokens: int | None) -> TreeSpec | DynamicTreeSpec:
+    """Resolve the user's tree argument: None -> chain of K, "chain:K", "kary:3,2,1",
+    "dynamic:top_k=K,depth=D,total_tokens=T", a choice list, a TreeSpec or a DynamicTreeSpec."""
     if spec is None:
         return chain(4 if num_draft_tokens is None else num_draft_tokens)
-    if isinstance(spec, TreeSpec):
+    if isinstance(spec, (TreeSpec, DynamicTreeSpec)):
         return spec
     if isinstance(spec, str):
+        if spec.replace(" ", "").startswith("dynamic:"):
+            return parse_dynamic(spec)
         m = re.fullmatch(r"(chain|kary):([\d,]+)", spec.replace(" ", ""))
         if not m:
-            raise ValueError(f"unknown tree spec {spec!r}; use 'chain:K', 'kary:B1,B2,...', a list of choice paths"
+            raise ValueError(f"unknown tree spec {spec!r}; use 'chain:K', 'kary:B1,B2,...', "
+                             "'dynamic:top_k=K,depth=D,total_tokens=T', a list of choice paths"
                              " or a specjax.tree.TreeSpec")
         nums = [int(x) for x in m.group(2).split(",") if x]
         if m.group(1) == "chain":
@@ -128,7 +221,8 @@ def parse_tree(spec: str | TreeSpec | Sequence | None, num_draft_tokens: int | N
         return kary(nums)
     if isinstance(spec, Sequence) and all(isinstance(c, Sequence) for c in spec):
         return from_choices(spec)
-    raise ValueError(f"unknown tree spec {spec!r}; use 'chain:K', 'kary:B1,B2,...', a choice list or a TreeSpec")
+    raise ValueError(f"unknown tree spec {spec!r}; use 'chain:K', 'kary:B1,B2,...', "
+                     "'dynamic:top_k=K,depth=D,total_tokens=T', a choice list or a TreeSpec")
 
 
 def ancestor_mask(parents_BN: jax.Array) -> jax.Array:
@@ -153,4 +247,7 @@ def depths(mask_BNN: jax.Array) -> jax.Array:
 
 def spec_arrays(spec: TreeSpec, batch: int) -> jax.Array:
     """The template's parents broadcast to int32 [B, N]."""
+    if isinstance(spec, DynamicTreeSpec):
+        raise ValueError(f"{spec} is a dynamic tree: its parents are chosen each round, so there is no static "
+                         "template (a drafter that supports dynamic trees builds them with specjax.dynamic_tree)")
     return jnp.broadcast_to(jnp.asarray(np.asarray(spec.parents, np.int32)), (batch, spec.num_nodes))

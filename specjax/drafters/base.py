@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import SamplingConfig
-from ..tree import TreeSpec
+from ..tree import DynamicTreeSpec, TreeSpec
 from ..verify import Draft, Verdict
 
 
@@ -41,7 +41,7 @@ class PrefillContext:
 class Settings:
     """Per-call static settings every drafter needs."""
 
-    tree: TreeSpec
+    tree: TreeSpec | DynamicTreeSpec
     sampling: SamplingConfig
     cache_len: int
     max_new_tokens: int  # output bucket: an upper bound on tokens one row can emit

@@ -5,7 +5,10 @@ verification it is committed along the same accepted path. Each round re-feeds t
 committed token together with the root ([prev, root] at positions L-1, L), so a draft
 token the drafter produced but never ran (the last of a fully accepted chain, a tree
 leaf) gets its K/V written before it is needed. Chains draft one token per step;
-static trees take each node's top-k children, one full-tree pass per depth.
+static trees take each node's top-k children, one full-tree pass per depth; dynamic
+(EAGLE-2) trees run [prev, root] and then, per expansion step, only the top_k frontier
+nodes, each attending to the prefix and its own ancestors among the nodes already run
+(dynamic_tree.py chooses the nodes; `forward_frontier` runs them).
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..cache import KVCache, commit, init_cache
+from specjax.kernels import attention
+
+from ..cache import KVCache, commit, init_cache, write_layer
 from ..config import ModelConfig
-from ..models.decoder import forward, has_layer_list, lm_head
+from ..dynamic_tree import build_tree
+from ..models.decoder import attn_out_and_mlp, forward, has_layer_list, lm_head, qkv, rms_norm, rope_inv_freq
 from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import ancestor_mask, child_ranks, depths, spec_arrays
+from ..tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings
 
@@ -57,7 +63,14 @@ class DraftModelDrafter:
         cache = init_cache(self.cfg, b, self.settings.cache_len, per_layer=has_layer_list(params))
         _, _, cache = forward(params, self.cfg, ctx.prompt, cache, attn_impl=self.attn_impl)
         prev_B = jnp.take_along_axis(ctx.prompt, (ctx.prompt_len - 1)[:, None], axis=1)[:, 0]
-        return KVCache(cache.k, cache.v, ctx.prompt_len), prev_B
+        cache = KVCache(cache.k, cache.v, ctx.prompt_len)
+        if self._dynamic:  # + each node's cache offset from lengths in the last draft (see _propose_dynamic)
+            return cache, prev_B, jnp.zeros((b, self.settings.tree.num_nodes), jnp.int32)
+        return cache, prev_B
+
+    @property
+    def _dynamic(self) -> bool:
+        return isinstance(self.settings.tree, DynamicTreeSpec)
 
     def _choose(self, keys_B, logits_BV):
         """Next draft token and, when sampling, the distribution it was drawn from (row b with keys_B[b])."""
@@ -69,6 +82,8 @@ class DraftModelDrafter:
     def propose(self, params, state, root_B, keys_B):
         if self.settings.tree.is_chain:
             return self._propose_chain(params, state, root_B, keys_B)
+        if self._dynamic:
+            return self._propose_dynamic(params, state, root_B)
         return self._propose_tree(params, state, root_B)
 
     def _propose_chain(self, params, state, root_B, keys_B):
@@ -127,9 +142,85 @@ class DraftModelDrafter:
         draft = Draft(tokens_BN, spec_arrays(tree, b), jnp.ones((b, n), jnp.bool_))
         return draft, (cache, prev_B)
 
+    def _propose_dynamic(self, params, state, root_B):
+        """EAGLE-2 dynamic tree, deterministic (q = None: verification treats each node as one-hot).
+
+        Cache layout during drafting, from the row's length L: prev at L-1, root at L, expanded
+        slot r (frontier node f of step s, r = s*top_k + f) at L+1+r. Every non-leaf node of the
+        tree was expanded, so an accepted path's K/V are in the cache except perhaps its last
+        node's, which next round's [prev, root] re-feed writes anyway.
+        """
+        cache, prev_B, _ = state
+        spec = self.settings.tree
+        length_B = cache.lengths
+        h_B2D, _, c = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1),
+                              KVCache(cache.k, cache.v, length_B - 1), attn_impl=self.attn_impl)
+        root_logprobs_BV = jax.nn.log_softmax(lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0], axis=-1)
+
+        def step(frontier, kv):
+            positions_BK = jnp.broadcast_to((length_B + 1 + frontier.step)[:, None], frontier.tokens.shape)
+            h_BKD, c = forward_frontier(params, self.cfg, frontier.tokens, KVCache(*kv, length_B + 1), positions_BK,
+                                        frontier.slot, frontier.ancestors, self.attn_impl)
+            return jax.nn.log_softmax(lm_head(params, self.cfg, h_BKD), axis=-1), (c.k, c.v)
+
+        tree, (k, v) = build_tree(spec, root_B, root_logprobs_BV, step, (c.k, c.v))
+        # Each node's cache offset from L: root 0, expanded slot r at 1 + r; unexpanded leaves have no
+        # K/V (0 is a placeholder: a leaf can only end an accepted path, and that entry is rewritten).
+        offset_BN = jnp.where(tree.expanded_slot >= 0, tree.expanded_slot + 1, 0)
+        draft = Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_))
+        return draft, (KVCache(k, v, length_B), prev_B, offset_BN)
+
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
-        cache, prev_B = state
+        cache, prev_B = state[:2]
         last_node_B = jnp.take_along_axis(verdict.path, jnp.maximum(verdict.num_accepted - 1, 0)[:, None], axis=1)
         last_tok_B = jnp.take_along_axis(draft.tokens, last_node_B, axis=1)[:, 0]
         prev_B = jnp.where(verdict.num_accepted > 0, last_tok_B, prev_B)
+        if self._dynamic:  # the accepted nodes' K/V sit at their expanded slots, not at their node indices
+            offset_BN = state[2]
+            return commit(cache, jnp.take_along_axis(offset_BN, verdict.path, axis=1), verdict.num_accepted), \
+                prev_B, offset_BN
         return commit(cache, verdict.path, verdict.num_accepted), prev_B
+
+
+def forward_frontier(params: dict, cfg: ModelConfig, tokens_BK: jax.Array, cache: KVCache, positions_BK: jax.Array,
+                     slot: jax.Array, ancestors_BKR: jax.Array, attn_impl: str) -> tuple[jax.Array, KVCache]:
+    """Run K frontier nodes of a dynamic tree against a window of R expanded slots after the prefix.
+
+    Row b's prefix is `cache.lengths[b]` positions, visible to every node; expanded slot r sits at
+    `lengths + r`. The K nodes are written at slots `slot .. slot + K - 1`, and node f attends to the
+    prefix and the slots `ancestors_BKR[:, f]` marks (its ancestors and itself). Attention runs over
+    the whole window (R query rows, the K real queries placed at their slots), so the one attention
+    function (the Pallas kernel on GPU) serves, unchanged. Returns the final-normed hidden states
+    [B, K, D] and the cache (lengths unchanged).
+    """
+    b, k = tokens_BK.shape
+    r = ancestors_BKR.shape[-1]
+    base_B = cache.lengths
+    mask_BRR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), ancestors_BKR, (0, slot, 0))
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+
+    def layer_fn(p, layer, h_BKD, k_cache, v_cache):
+        q_BKHD, k_BKGD, v_BKGD = qkv(cfg, p, h_BKD, positions_BK, inv_freq)
+        k_cache = write_layer(k_cache, layer, k_BKGD, base_B + slot)
+        v_cache = write_layer(v_cache, layer, v_BKGD, base_B + slot)
+        q_BRHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD, (0, slot, 0, 0))
+        o_BRHD = attention(q_BRHD, k_cache, v_cache, base_B, mask_BRR, layer=layer, impl=attn_impl, finite_cache=True)
+        return attn_out_and_mlp(cfg, p, h_BKD, lax.dynamic_slice_in_dim(o_BRHD, slot, k, axis=1)), k_cache, v_cache
+
+    h_BKD = params["embed"][tokens_BK]
+    if isinstance(cache.k, tuple):  # per-layer buffers (CPU layout)
+        ks, vs = list(cache.k), list(cache.v)
+        for i, p in enumerate(params["layers"]):
+            h_BKD, ks[i], vs[i] = layer_fn(p, None, h_BKD, ks[i], vs[i])
+        k_cache, v_cache = tuple(ks), tuple(vs)
+    elif has_layer_list(params):  # per-layer weights, stacked cache
+        k_cache, v_cache = cache.k, cache.v
+        for i, p in enumerate(params["layers"]):
+            h_BKD, k_cache, v_cache = layer_fn(p, jnp.int32(i), h_BKD, k_cache, v_cache)
+    else:
+        def body(carry, xs):
+            return layer_fn(xs[0], xs[1], *carry), None
+
+        (h_BKD, k_cache, v_cache), _ = lax.scan(
+            body, (h_BKD, cache.k, cache.v), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    return rms_norm(h_BKD, params["final_norm"], cfg.rms_norm_eps), KVCache(k_cache, v_cache, cache.lengths)

@@ -1,0 +1,195 @@
+"""`specjax plan` and `specjax profile`: the load-aware advisor's command-line front ends, and its plot.
+
+plan: for each concurrency (rows verified together), the best draft shape, its predicted tau
+and speedup over plain decoding, and the runner-up, from an acceptance model (the published
+model with --model-only, else a calibration run of the target and drafter) and a cost model
+(a device's roofline, or a measured profile JSON). profile: measure that JSON on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+from .calibration import calibrate
+from .planner import (Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model, shape_curve,
+                      shape_of)
+from .profile import CostModel, cost_model, local_device, profile, save_profile
+from .tree import chain, parse_tree
+
+DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny" / "target"
+
+
+def ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers like 1,8,32,128, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must be positive integers like 1,8,32,128, got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------- plan
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-only", action="store_true",
+                   help="the published load model: 8B target by roofline, drafter right w.p. --alpha, costing --cost")
+    p.add_argument("--alpha", type=float, default=0.8, help="--model-only: the drafter's per-position acceptance")
+    p.add_argument("--cost", type=float, default=None,
+                   help="draft cost per level as a fraction of one target step (--model-only default 0.05)")
+    p.add_argument("--target", default=None, help="target checkpoint (default with a drafter: embedded tiny)")
+    p.add_argument("--drafter", default=None, help="draft-model checkpoint dir, or 'ngram'")
+    p.add_argument("--concurrency", default="1,8,32,128", help="batch sizes to plan for")
+    p.add_argument("--device", default=None, help="h100 | h200 | cpu | a profile JSON (default: this machine)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per row for the KV term (roofline)")
+    p.add_argument("--calibrate-tree", default=None,
+                   help="shape of the calibration run (default kary:4,2,1,1, or chain:4 for chain-only drafters)")
+    p.add_argument("--calibrate-prompts", type=int, default=8)
+    p.add_argument("--calibrate-tokens", type=int, default=48)
+    p.add_argument("--max-nodes", type=int, default=None, help="largest tree considered (default 512 / 64)")
+    p.add_argument("--max-depth", type=int, default=24)
+    p.add_argument("--plot", default=None, help="write a PNG of predicted speedup vs concurrency")
+    p.add_argument("--json", default=None, help="write the plan as JSON")
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    batches = ints(args.concurrency, "--concurrency")
+    report: dict[str, Any] = {"concurrency": batches}
+    if args.model_only:
+        if args.target or args.drafter:
+            raise ValueError("--model-only plans the published model; drop --target/--drafter, or drop --model-only")
+        device = args.device or "h100"
+        cost = 0.05 if args.cost is None else args.cost
+        p, cm = published_model(args.alpha, cost, device)
+        tree_ok, max_nodes = True, args.max_nodes or 512
+        print(f"acceptance: rank r accepted w.p. alpha (1 - alpha)^r, alpha {args.alpha:g} "
+              f"(p = {', '.join(f'{x:.3g}' for x in p[:4])}, ...)")
+    else:
+        if not args.drafter:
+            raise ValueError("pass --drafter D (a draft-model checkpoint or 'ngram') to plan for a pair, "
+                             "or --model-only for the published model")
+        target, drafter = load_pair(args.target or str(DEFAULT_TARGET), args.drafter)
+        tree_ok = drafter_takes_trees(drafter, target)
+        spec = parse_tree(args.calibrate_tree or ("kary:4,2,1,1" if tree_ok else "chain:4"), None)
+        prompts = calibration_prompts(target, args.calibrate_prompts)
+        cal = calibrate(target, drafter, prompts, spec, max_new_tokens=args.calibrate_tokens)
+        p = cal.p_rank
+        report["calibration"] = cal.as_dict()
+        print(f"calibration ({len(prompts)} prompts, {cal.rounds} rounds, shape {len(spec.parents)} nodes): "
+              f"p by rank {', '.join(f'{x:.3f}' for x in p)}; tau measured {cal.measured_tau:.3f}, "
+              f"predicted {cal.predicted_tau:.3f} (positional model), {cal.predicted_tau_by_depth:.3f} (per depth)")
+        cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost)
+        max_nodes = args.max_nodes or 64
+    print(f"cost: {cm.source}")
+    table = best_trees(p, max_nodes, args.max_depth) if tree_ok else None
+    choices = plan(p, batches, cm.verify_s, cm.draft_s, max_nodes=max_nodes, max_depth=args.max_depth,
+                   tree_ok=tree_ok, table=table)
+    print(format_plan(choices))
+    report |= {"p_rank": list(p), "cost": cm.source, "choices": [c.as_dict() for c in choices]}
+    if args.plot:
+        plot_speedups(p, cm, choices, table, args.plot, title=cm.source)
+        print(f"wrote {args.plot}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def load_pair(target_dir: str, drafter_arg: str):
+    from .drafters import NgramDrafter, load_drafter
+    from .target import load
+
+    target = load(target_dir)
+    drafter = NgramDrafter() if drafter_arg == "ngram" else load_drafter(drafter_arg, target)
+    return target, drafter
+
+
+def calibration_prompts(target, n: int) -> list:
+    """Held-out prompts from the checkpoint's manifest when it has them, else random ids (what bench uses)."""
+    from .bench_spec import bench_prompts
+
+    return bench_prompts(target, n)
+
+
+def plot_shapes(p, choices: Sequence[Choice], table) -> list[Shape]:
+    """Shapes worth a curve: off, chains 1/2/4/8, every best shape of the plan, and the DP's 64-node tree."""
+    shapes = [shape_of(None, p)] + [shape_of(chain(k), p) for k in (1, 2, 4, 8)]
+    shapes += [c.best.shape for c in choices]
+    if table is not None and table.max_nodes >= 64:
+        shapes.append(shape_of(table.tree(64), p))
+    seen, out = set(), []
+    for s in shapes:
+        if s.label not in seen:
+            seen.add(s.label)
+            out.append(s)
+    return out
+
+
+def plot_speedups(p, cm: CostModel, choices: Sequence[Choice], table, path: str, title: str = "") -> None:
+    """Predicted speedup vs concurrency, one line per shape, on log-2 axes; the planner's pick marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401 (used as matplotlib.ticker)
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    lo, hi = min(c.batch for c in choices), max(c.batch for c in choices)
+    grid = sorted({2 ** i for i in range(0, 12) if lo <= 2 ** i <= hi} | {c.batch for c in choices})
+    curves = shape_curve(plot_shapes(p, choices, table), grid, cm.verify_s, cm.draft_s)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, ys) in enumerate(curves.items()):
+        ax.plot(grid, ys, marker=".", label=label, color=colors[(2 * i) % 20 + (2 * i) // 20 % 2],
+                linestyle="--" if label == "off" else "-")
+    ax.scatter([c.batch for c in choices], [c.best.speedup for c in choices], s=80, facecolors="none",
+               edgecolors="k", zorder=5, label="planner's pick")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("concurrency (rows verified together)")
+    ax.set_ylabel("predicted speedup over plain decoding")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- profile
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target checkpoint (default: embedded tiny)")
+    p.add_argument("--drafter", default=None, help="draft-model checkpoint to time propose for")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--nodes", default="1,2,4,8,16,32")
+    p.add_argument("--cache-lens", default="256")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="runs/profile.json", help="profile JSON (profiles are added under their key)")
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    from .drafters import load_drafter
+    from .target import load
+
+    target = load(args.target or str(DEFAULT_TARGET))
+    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    cache_lens = [int(x) for x in args.cache_lens.split(",") if x.strip()]
+    prof = profile(target, drafter, ints(args.batches, "--batches"), ints(args.nodes, "--nodes"), cache_lens,
+                   repeats=args.repeats, log=lambda m: print(m, flush=True))
+    path = save_profile(prof, args.out)
+    print(f"wrote {path} (key {prof.key})")
+    return 0

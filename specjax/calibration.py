@@ -1,0 +1,104 @@
+"""Acceptance from a calibration run: positional and per-depth acceptance estimated from `out.stats`.
+
+The planner's model (specjax/planner.py) says a rank-r child is accepted with probability
+p[r] given its parent was, whatever the depth. A calibration run with a known static shape
+gives, per depth, how often each rank was accepted (`accepted_child_rank`); dividing by how
+often that rank was offered under an accepted parent estimates p, pooled over depths (the
+model) and per depth (to see how far the model's independence assumption is from the data).
+Both models' tau for the calibration shape are reported next to the measured tau.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .planner import expected_tau
+from .tree import TreeSpec, child_ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Acceptance estimated from one speculative run of a known shape, and the independence check.
+
+    p_rank[r]: positional acceptance pooled over depths (the DP's model); p_depth_rank[d][r]: the
+    same per depth (NaN where never offered); measured_tau vs predicted_tau (positional model) and
+    predicted_tau_by_depth (per-depth model) for the calibration shape: when the positional
+    prediction is far from the measurement, acceptance depends on depth and the DP's trees are
+    only approximately optimal.
+    """
+
+    shape: TreeSpec
+    p_rank: tuple[float, ...]
+    p_depth_rank: tuple[tuple[float, ...], ...]
+    opportunities_depth_rank: tuple[tuple[float, ...], ...]
+    rounds: int
+    measured_tau: float
+    predicted_tau: float
+    predicted_tau_by_depth: float
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape.parents)
+        d["p_depth_rank"] = [[None if np.isnan(x) else x for x in row] for row in self.p_depth_rank]
+        return d
+
+
+def acceptance_from_stats(stats: dict[str, Any], spec: TreeSpec) -> Calibration:
+    """Estimate positional acceptance from `out.stats` of a run that used the static tree `spec`.
+
+    accepted_child_rank[d][r] counts accepted drafts at depth d+1 that were rank r among their
+    siblings. Their opportunities: rank r at depth d was offered whenever the path reached a
+    depth-(d-1) node with more than r children. The statistics give the accepted node's rank at
+    each depth, not its index, so nodes of one (depth, rank) are assumed to have equally many
+    children on average (exact for chains and k-ary trees). Drafts cut by EOS or the token budget
+    are not counted as accepted, which biases p slightly low on short runs.
+    """
+    rows = stats.get("row_rounds")
+    if rows is None or "accepted_child_rank" not in stats:
+        raise ValueError("these statistics lack row_rounds / accepted_child_rank: pass out.stats of a speculative "
+                         "generate() call (with a drafter), not of plain decoding")
+    rounds = int(sum(rows))
+    acc_DR = np.asarray(stats["accepted_child_rank"], np.float64)
+    depth_n, rank_n = spec.max_depth, int(max(child_ranks(spec))) + 1
+    if acc_DR.shape[0] < depth_n:
+        raise ValueError(f"statistics cover depth {acc_DR.shape[0]} but the shape is {depth_n} deep: pass the "
+                         f"tree the run actually used")
+    acc_DR = acc_DR[:depth_n, :rank_n]
+    ranks, depths = child_ranks(spec), spec.depths
+    kids = np.zeros(spec.num_nodes, np.int64)
+    for i in range(1, spec.num_nodes):
+        kids[spec.parents[i]] += 1
+    opp_DR = np.zeros((depth_n, rank_n))
+    for d in range(1, depth_n + 1):
+        for r in range(rank_n):
+            if d == 1:
+                opp_DR[0, r] = rounds * (kids[0] > r)
+                continue
+            for q in range(rank_n):  # the accepted depth-(d-1) node had rank q this many times
+                nodes = [i for i in range(spec.num_nodes) if depths[i] == d - 1 and ranks[i] == q]
+                if nodes:
+                    opp_DR[d - 1, r] += acc_DR[d - 2, q] * np.mean([kids[i] > r for i in nodes])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p_DR = np.where(opp_DR > 0, acc_DR / np.maximum(opp_DR, 1e-300), np.nan)
+        p_R = acc_DR.sum(0) / np.maximum(opp_DR.sum(0), 1e-300)
+    p_R = np.where(opp_DR.sum(0) > 0, p_R, 0.0)
+    p_R = p_R * min(1.0, 1.0 / max(p_R.sum(), 1e-300))  # sampling noise must not break sum(p) <= 1
+    filled_DR = np.where(np.isnan(p_DR), p_R[None, :], p_DR)
+    return Calibration(spec, tuple(float(x) for x in p_R), tuple(tuple(float(x) for x in row) for row in p_DR),
+                       tuple(tuple(float(x) for x in row) for row in opp_DR), rounds,
+                       float(stats["acceptance_length"]), expected_tau(spec, p_R), expected_tau(spec, filled_DR))
+
+
+def calibrate(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32, sampling=None,
+              seed: int = 0, eos_token_id=None) -> Calibration:
+    """Run the speculative loop once with `spec` on these prompts and estimate acceptance from its statistics."""
+    from .config import SamplingConfig
+    from .speculative import speculative_generate
+
+    out = speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens,
+                               sampling=sampling or SamplingConfig(), seed=seed, spec=spec,
+                               eos_token_id=eos_token_id, max_len=None)
+    return acceptance_from_stats(out.stats, spec)

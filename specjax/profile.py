@@ -1,0 +1,413 @@
+"""The cost side of planning: how long one verify round and one draft take, estimated or measured.
+
+Two sources, one interface (`CostModel`: verify_s(batch, nodes) and draft_s(batch, depth)):
+
+- `Roofline`: verify of T = batch x nodes tokens costs
+  max(weight_bytes / bandwidth, 2 x params x T / peak_flops) + KV bytes read / bandwidth,
+  the usual decode roofline (attention FLOPs and activations ignored). Below the knee
+  T* = peak x weight_bytes / (2 x params x bandwidth) more tokens per pass are free; above
+  it each token costs its FLOPs. Known devices in DEVICES; an 8B bf16 model on an H100 has
+  its knee at ~295 tokens per pass.
+- `Profile`: times measured on this device by `profile()` (one verify round: forward +
+  lm_head + acceptance + commit, jitted once per shape, median of repeats; and the
+  drafter's propose), interpolated piecewise-linearly in T. Saved as JSON keyed by device
+  kind, model and dtype, so one file can hold several machines' profiles.
+
+Draft time: `relative_draft` (a fixed fraction of one target step per drafted level, the
+published model's assumption) or a profile's measured propose times (linear in depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Memory bandwidth (bytes/s) and dense matmul peaks (FLOP/s): 16-bit, and full fp32 (specjax's fp32 dots
+    do not use TF32)."""
+
+    name: str
+    bandwidth: float
+    peak_flops: float
+    source: str
+    peak_flops_fp32: float | None = None  # None: same as peak_flops
+
+    def peak_for(self, dtype: str) -> float:
+        return (self.peak_flops_fp32 or self.peak_flops) if dtype == "float32" else self.peak_flops
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("NVIDIA H100 SXM", 3.35e12, 989e12, "datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16, "
+                       "67 TFLOP/s fp32", 67e12),
+    "h200": DeviceSpec("NVIDIA H200", 4.3e12, 790e12,
+                       "measured on one H200: ~4.3 TB/s device copy (4.8 TB/s nominal), ~790 TFLOP/s bf16 matmul; "
+                       "fp32 from the H100 datasheet (same chip)", 67e12),
+    # The 2-core x86-64 machine these sessions run on, fp32, measured with `measure_device()`:
+    # a jitted sum over 512 MB read 31 GB/s; a jitted 1024^2 / 2048^2 matmul ran 178-223 GFLOP/s.
+    "cpu": DeviceSpec("2-core x86-64 CPU (fp32)", 31e9, 2.0e11, "measured here: jnp.sum read 31 GB/s, matmul 200 GFLOP/s"),
+}
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LLAMA3_8B_PARAMS = 8.03e9  # Meta-Llama-3-8B, bf16: 16.06 GB of weights
+
+
+def device_spec(name: str) -> DeviceSpec:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(DEVICES)}, or pass a profile JSON file")
+    return DEVICES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """verify_s(batch, nodes): one verify round; draft_s(batch, depth): one round's drafting. Seconds."""
+
+    verify_s: Callable[[int, int], float]
+    draft_s: Callable[[int, int], float]
+    source: str
+
+
+# ---------------------------------------------------------------- roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A roofline verify-time estimate for one model on one device, at a given cache length."""
+
+    device: DeviceSpec
+    params: float  # matmul parameters (2 FLOPs each per token)
+    weight_bytes: float  # bytes read once per pass
+    kv_bytes_per_position: float = 0.0  # K and V bytes of one cached position of one row, all layers
+    cache_len: int = 0  # cached positions each row's attention reads
+
+    @classmethod
+    def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0) -> "Roofline":
+        """From a ModelConfig: params and bytes at its dtype, KV per position from layers x kv heads x head_dim."""
+        width = DTYPE_BYTES[str(cfg.dtype)]
+        params = cfg.num_params()
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+        peak = device.peak_for(str(cfg.dtype))
+        return cls(dataclasses.replace(device, peak_flops=peak), params, params * width, kv, cache_len)
+
+    @property
+    def knee(self) -> float:
+        """Tokens per pass where compute time reaches weight-read time."""
+        return self.device.peak_flops * self.weight_bytes / (2 * self.params * self.device.bandwidth)
+
+    def verify_s(self, batch: int, nodes: int) -> float:
+        tokens = batch * nodes
+        weights = self.weight_bytes / self.device.bandwidth
+        compute = 2 * self.params * tokens / self.device.peak_flops
+        kv = batch * self.cache_len * self.kv_bytes_per_position / self.device.bandwidth
+        return max(weights, compute) + kv
+
+
+def relative_draft(verify_s: Callable[[int, int], float], cost: float) -> Callable[[int, int], float]:
+    """Drafting one level costs `cost` x one target step at that batch (verify_s(batch, 1))."""
+    if cost < 0:
+        raise ValueError(f"draft cost must be >= 0 (a fraction of one target step), got {cost}")
+    return lambda batch, depth: cost * depth * verify_s(batch, 1)
+
+
+def roofline_cost(cfg, device: str | DeviceSpec, cache_len: int = 0, draft_cost: float = 0.0) -> CostModel:
+    dev = device_spec(device) if isinstance(device, str) else device
+    roof = Roofline.for_config(cfg, dev, cache_len)
+    return CostModel(roof.verify_s, relative_draft(roof.verify_s, draft_cost),
+                     f"roofline {dev.name}, knee {roof.knee:.0f} tokens/pass, draft {draft_cost:g} x step/level")
+
+
+def local_device() -> str:
+    """This machine's entry in DEVICES by JAX's device kind (an unknown GPU falls back to h100, said in the source)."""
+    kind = device_kind().lower()
+    if "h200" in kind:
+        return "h200"
+    if "h100" in kind or "gpu" in kind or "nvidia" in kind:
+        return "h100"
+    return "cpu"
+
+
+def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: float | None) -> CostModel:
+    """A profile JSON (path), or a roofline on a known device for this target and (when it has a config) draft model."""
+    if device.endswith(".json") or Path(device).is_file():
+        return load_profile(device, profile_key_for(target_cfg, device)).cost(cache_len)
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {sorted(DEVICES)} or a profile JSON file, got {device!r}")
+    roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len)
+    draft_cfg = getattr(drafter, "cfg", None)
+    if draft_cost is not None:
+        draft, what = relative_draft(roof.verify_s, draft_cost), f"{draft_cost:g} x target step per level"
+    elif draft_cfg is not None:
+        droof = Roofline.for_config(draft_cfg, DEVICES[device], cache_len)
+        draft, what = (lambda b, d: d * droof.verify_s(b, 1)), f"draft model {draft_cfg.num_params() / 1e6:.2f}M " \
+                                                             f"by roofline per level"
+    else:
+        draft, what = (lambda b, d: 0.0), "drafting free (model-free drafter)"
+    return CostModel(roof.verify_s, draft, f"roofline {roof.device.name}, knee {roof.knee:.0f} tokens/pass, "
+                                           f"cache {cache_len}; {what}")
+
+
+def profile_key_for(cfg, path: str | Path) -> str | None:
+    """This device's key for cfg when the file at path holds it, else None (load_profile then wants a single entry)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    key = profile_key(device_kind(), model_name(cfg), str(cfg.dtype))
+    return key if key in (json.loads(path.read_text()).get("profiles") or {}) else None
+
+
+def cost_for_run(target_cfg, drafter, cache_len: int) -> CostModel:
+    """The cost model `generate(..., "auto")` uses: $SPECJAX_PROFILE (a profile JSON) when set, else this
+    device's roofline."""
+    path = os.environ.get("SPECJAX_PROFILE")
+    return cost_model(path if path else local_device(), target_cfg, drafter, cache_len, None)
+
+
+# ---------------------------------------------------------------- measured profile
+
+
+def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise linear through (xs, ys), flat below the first point, the last slope (>= 0) above the last."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    order = np.argsort(xs)
+    xs, ys = xs[order], ys[order]
+    if x <= xs[-1] or xs.size == 1:
+        return float(np.interp(x, xs, ys))
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+@dataclasses.dataclass
+class Profile:
+    """Measured verify-round and propose times for one (device, model, dtype).
+
+    verify: {"batch", "nodes", "cache_len", "seconds", "all_seconds"} per shape;
+    propose: {"batch", "depth", "seconds", "all_seconds"} per shape (empty without a drafter).
+    """
+
+    device: str
+    model: str
+    dtype: str
+    verify: list[dict[str, Any]]
+    propose: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return profile_key(self.device, self.model, self.dtype)
+
+    @property
+    def cache_lens(self) -> list[int]:
+        return sorted({r["cache_len"] for r in self.verify})
+
+    def verify_s(self, batch: int, nodes: int, cache_len: int | None = None) -> float:
+        """Interpolated: piecewise linear in T = batch x nodes per profiled batch (made non-decreasing in T), then
+        linear in batch and in cache length."""
+        lens = self.cache_lens
+        cache_len = lens[0] if cache_len is None else cache_len
+        at_len = [self._verify_at(batch, nodes, c) for c in lens]
+        return interp(cache_len, lens, at_len) if len(lens) > 1 else at_len[0]
+
+    def _verify_at(self, batch: int, nodes: int, cache_len: int) -> float:
+        rows = [r for r in self.verify if r["cache_len"] == cache_len]
+        batches = sorted({r["batch"] for r in rows})
+        per_batch = []
+        for b in batches:
+            pts = sorted((r["batch"] * r["nodes"], r["seconds"]) for r in rows if r["batch"] == b)
+            # More tokens never cost less: a running max irons out timing noise between neighbouring points.
+            secs = np.maximum.accumulate([s for _, s in pts])
+            per_batch.append(interp(batch * nodes, [t for t, _ in pts], secs))
+        return interp(batch, batches, per_batch) if len(batches) > 1 else per_batch[0]
+
+    def draft_s(self, batch: int, depth: int) -> float:
+        """Measured propose time, linear in depth at each profiled batch, interpolated in batch; 0 without data."""
+        if not self.propose or depth == 0:
+            return 0.0
+        batches = sorted({r["batch"] for r in self.propose})
+        per_batch = []
+        for b in batches:
+            pts = sorted((r["depth"], r["seconds"]) for r in self.propose if r["batch"] == b)
+            per_batch.append(interp(depth, [d for d, _ in pts], [s for _, s in pts]))
+        return interp(batch, batches, per_batch) if len(batches) > 1 else per_batch[0]
+
+    def cost(self, cache_len: int | None = None) -> CostModel:
+        return CostModel(lambda b, n: self.verify_s(b, n, cache_len), self.draft_s,
+                         f"measured profile {self.key}" + (f" at cache {cache_len}" if cache_len else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        missing = {"device", "model", "dtype", "verify"} - set(d)
+        if missing:
+            raise ValueError(f"a profile needs fields {sorted(missing)}; was it written by specjax profile?")
+        return cls(d["device"], d["model"], d["dtype"], list(d["verify"]), list(d.get("propose") or []),
+                   dict(d.get("meta") or {}))
+
+
+def profile_key(device: str, model: str, dtype: str) -> str:
+    return f"{device}|{model}|{dtype}"
+
+
+def save_profile(profile: Profile, path: str | Path) -> Path:
+    """Add (or replace) this profile in the JSON file at path, keyed by device|model|dtype."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.setdefault("profiles", {})[profile.key] = profile.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def load_profile(path: str | Path, key: str | None = None) -> Profile:
+    """One profile from a file: the one under `key`, or the only one there."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no profile file at {path}; write one with `specjax profile --out {path}`")
+    profiles = json.loads(path.read_text()).get("profiles") or {}
+    if key is None:
+        if len(profiles) != 1:
+            raise ValueError(f"{path} holds {len(profiles)} profiles ({sorted(profiles)}); name one with its key")
+        key = next(iter(profiles))
+    if key not in profiles:
+        raise ValueError(f"{path} has no profile {key!r}; it has {sorted(profiles)}")
+    return Profile.from_dict(profiles[key])
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def model_name(cfg) -> str:
+    """'llama-L16-D1024-V32000-246M': what a profile is keyed by (the shapes that set its cost)."""
+    from .target import format_count
+
+    return (f"{cfg.family}-L{cfg.num_layers}-D{cfg.hidden_size}-F{cfg.intermediate_size}-V{cfg.vocab_size}"
+            f"-{format_count(cfg.num_params())}")
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    import jax
+
+    jax.block_until_ready(fn())  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: int = 5) -> tuple[float, list[float]]:
+    """Median seconds of one verify round (forward + lm_head + greedy acceptance + commit) of a chain of `nodes`.
+
+    Each row's cache holds `cache_len` positions; the cache is donated and handed back each
+    call, so it is updated in place as in the loop. Tree shape does not change the cost, only N.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from .cache import KVCache, commit, init_cache
+    from .config import SamplingConfig
+    from .models.decoder import forward, has_layer_list, lm_head
+    from .request import round_cache_length
+    from .tree import ancestor_mask, chain, depths, spec_arrays
+    from .verify import Draft, verify
+
+    cfg, params = target.cfg, target.params
+    spec = chain(nodes - 1) if nodes > 1 else None
+    parents_BN = spec_arrays(spec, batch) if spec else jnp.full((batch, 1), -1, jnp.int32)
+    sampling = SamplingConfig()
+
+    def round_fn(params, cache, tokens_BN, lengths_B):
+        cache = KVCache(cache.k, cache.v, lengths_B)
+        draft = Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_))
+        mask_BNN = ancestor_mask(draft.parents)
+        positions_BN = lengths_B[:, None] + depths(mask_BNN)
+        h_BND, _, cache = forward(params, cfg, tokens_BN, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
+                                  attn_impl=target.attn_impl)
+        keys_B = jax.random.split(jax.random.key(0), batch)
+        verdict = verify(draft, mask_BNN, lm_head(params, cfg, h_BND), sampling, keys_B)
+        return commit(cache, verdict.path, verdict.num_accepted)
+
+    s = round_cache_length(cache_len + nodes + 1)
+    cache = init_cache(cfg, batch, s, per_layer=has_layer_list(params))
+    tokens_BN = jax.random.randint(jax.random.key(1), (batch, nodes), 0, cfg.vocab_size, jnp.int32)
+    lengths_B = jnp.full((batch,), cache_len, jnp.int32)
+    step = jax.jit(round_fn, donate_argnums=1)
+    state = {"cache": cache}
+
+    def run():
+        state["cache"] = step(params, state["cache"], tokens_BN, lengths_B)
+        return state["cache"].lengths
+
+    return _median_s(run, repeats)
+
+
+def time_propose(target, drafter, batch: int, depth: int, cache_len: int, repeats: int = 5) -> tuple[float, list[float]]:
+    """Median seconds of the drafter's propose for a chain of `depth` at this batch (state donated and reused)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .config import SamplingConfig
+    from .drafters.base import PrefillContext, Settings
+    from .request import bucket, round_cache_length
+    from .tree import chain
+
+    s = round_cache_length(cache_len + depth + 2)
+    configured = drafter.configure(Settings(chain(depth), SamplingConfig(), s, bucket(depth + 1)))
+    t = max(1, min(cache_len, s - depth - 2))
+    prompt_BT = jax.random.randint(jax.random.key(2), (batch, t), 0, target.cfg.vocab_size, jnp.int32)
+    feats = tuple(jnp.zeros((batch, t, target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))
+                  for _ in configured.feature_layers)
+    ctx = PrefillContext(prompt_BT, jnp.full((batch,), t, jnp.int32), prompt_BT[:, -1], feats)
+    dstate = jax.jit(configured.init)(configured.params, ctx)
+    root_B = prompt_BT[:, 0]
+    keys_B = jax.random.split(jax.random.key(3), batch)
+    step = jax.jit(lambda p, st, r, k: configured.propose(p, st, r, k), donate_argnums=1)
+    state = {"s": dstate}
+
+    def run():
+        draft, state["s"] = step(configured.params, state["s"], root_B, keys_B)
+        return draft.tokens
+
+    return _median_s(run, repeats)
+
+
+def device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def profile(target, drafter=None, batches: Sequence[int] = (1, 4, 16, 64), nodes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+            cache_lens: Sequence[int] = (256,), draft_depths: Sequence[int] = (1, 4), repeats: int = 5,
+            log: Callable[[str], None] = lambda m: None) -> Profile:
+    """Measure verify rounds over batch x nodes x cache length, and the drafter's propose over batch x depth."""
+    if not batches or not nodes or not cache_lens or min(batches) < 1 or min(nodes) < 1 or min(cache_lens) < 0:
+        raise ValueError(f"profile needs positive batches and nodes and cache lengths >= 0; got batches {batches}, "
+                         f"nodes {nodes}, cache_lens {cache_lens}")
+    verify_rows, propose_rows = [], []
+    for c in cache_lens:
+        for b in batches:
+            for n in nodes:
+                med, all_s = time_verify_round(target, b, n, c, repeats)
+                verify_rows.append({"batch": b, "nodes": n, "cache_len": c, "seconds": med, "all_seconds": all_s})
+                log(f"verify batch {b:4d} nodes {n:3d} cache {c:5d}: {med * 1e3:8.2f} ms")
+    if drafter is not None:
+        for b in batches:
+            for d in draft_depths:
+                med, all_s = time_propose(target, drafter, b, d, cache_lens[0], repeats)
+                propose_rows.append({"batch": b, "depth": d, "seconds": med, "all_seconds": all_s})
+                log(f"propose batch {b:4d} depth {d:3d}: {med * 1e3:8.2f} ms")
+    meta = {"params": target.cfg.num_params(), "repeats": repeats, "drafter": getattr(drafter, "name", None),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return Profile(device_kind(), model_name(target.cfg), str(target.cfg.dtype), verify_rows, propose_rows, meta)

@@ -1,0 +1,351 @@
+"""The planner: Sequoia's DP equals brute force, tau of given trees, the cost model, the per-batch policy,
+the published load model reproduced, profiles round-tripping through JSON, acceptance from a calibration run,
+and generate(..., "auto")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specjax import planner
+from specjax import calibration
+from specjax.planner import (best_tree, best_trees, brute_force_best, chain_tau, expected_tau, plan, published_model,
+                             score, shape_of)
+from specjax.profile import DEVICES, Profile, Roofline, interp, load_profile, save_profile
+from specjax.tree import chain, kary
+
+P_VECTORS = [
+    (0.8, 0.16, 0.032),  # geometric, alpha 0.8
+    (0.5, 0.3, 0.1),
+    (0.9,),  # one rank: chains only
+    (0.3, 0.29, 0.28),  # flat: wide trees win
+    (0.6, 0.05, 0.3),  # not monotone: ranks must still be used in order
+]
+
+
+# ---------------------------------------------------------------- 1. the dynamic program
+
+
+@pytest.mark.parametrize("p", P_VECTORS)
+@pytest.mark.parametrize("depth", [None, 1, 2])
+def test_dp_equals_brute_force(p, depth):
+    table = best_trees(p, 7, depth if depth is not None else 6)
+    for n in range(1, 8):
+        spec, tau = brute_force_best(p, n, depth)
+        assert table.tau(n) == pytest.approx(tau, abs=1e-12), (n, spec)
+        built = table.tree(n)
+        assert built.num_nodes <= n and (depth is None or built.max_depth <= depth)
+        assert expected_tau(built, p) == pytest.approx(tau, abs=1e-12)
+
+
+def test_dp_chain_is_the_one_rank_special_case():
+    for k in range(1, 10):
+        spec, tau = best_tree([0.7], k + 1)
+        assert spec == chain(k)
+        assert tau == pytest.approx(chain_tau(k, 0.7))
+
+
+def test_dp_table_never_decreases_and_wide_p_gives_wide_trees():
+    table = best_trees((0.3, 0.29, 0.28), 20, 4)
+    assert np.all(np.diff(table.tau_ND[1:], axis=0) >= -1e-12)
+    assert np.all(np.diff(table.tau_ND[1:], axis=1) >= -1e-12)
+    assert table.tree(4, 1) == kary([3])
+
+
+def test_expected_tau_by_hand():
+    p = (0.8, 0.1)
+    assert expected_tau(chain(2), p) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tau(kary([2, 1]), p) == pytest.approx(1 + 0.8 + 0.1 + 0.64 + 0.08)
+    assert expected_tau(kary([3]), p) == pytest.approx(1.9)  # rank 2 has no entry: never accepted
+    per_depth = [[0.9, 0.05], [0.5, 0.0]]  # depth 1 row, then depth >= 2
+    assert expected_tau(chain(3), per_depth) == pytest.approx(1 + 0.9 + 0.45 + 0.225)
+
+
+def test_bad_p_is_a_value_error_naming_the_fix():
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        best_trees([0.8, 0.5], 4)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        best_trees([1.5], 4)
+
+
+# ---------------------------------------------------------------- 1d. the cost model
+
+
+def test_roofline_knee_h100_8b_and_flat_then_linear():
+    roof = Roofline(DEVICES["h100"], 8.03e9, 2 * 8.03e9)
+    assert roof.knee == pytest.approx(295, abs=1)
+    step = roof.verify_s(1, 1)
+    assert step == pytest.approx(16.06e9 / 3.35e12)
+    assert roof.verify_s(8, 32) == step  # 256 tokens: below the knee, free
+    assert roof.verify_s(64, 64) == pytest.approx(2 * 8.03e9 * 4096 / 989e12)
+    h200 = Roofline(DEVICES["h200"], 8.03e9, 2 * 8.03e9)
+    assert 150 < h200.knee < 210  # measured 4.3 TB/s and 790 TFLOP/s: ~184
+
+
+def test_roofline_kv_term_grows_with_batch_and_cache():
+    roof = Roofline(DEVICES["h100"], 8e9, 16e9, kv_bytes_per_position=131072, cache_len=4096)
+    assert roof.verify_s(8, 1) - roof.verify_s(1, 1) == pytest.approx(7 * 4096 * 131072 / 3.35e12)
+
+
+def test_interp_is_flat_below_linear_between_and_extrapolates_the_last_slope():
+    xs, ys = [1, 4, 16], [1.0, 1.0, 4.0]
+    assert interp(0.5, xs, ys) == 1.0
+    assert interp(10, xs, ys) == pytest.approx(2.5)
+    assert interp(32, xs, ys) == pytest.approx(8.0)
+
+
+def test_profile_interpolates_in_tokens_per_pass_then_batch():
+    rows = [{"batch": b, "nodes": n, "cache_len": 128, "seconds": 1e-3 * max(1.0, b * n / 8)}
+            for b in (1, 4) for n in (1, 2, 8)]
+    prof = Profile("cpu", "m", "float32", rows)
+    assert prof.verify_s(1, 4) == pytest.approx(1e-3)
+    assert prof.verify_s(4, 4) == pytest.approx(2e-3)  # T = 16 between (4 x 2 = 8) and (4 x 8 = 32)
+    assert prof.verify_s(4, 16) == pytest.approx(8e-3)  # extrapolated along the last slope
+    assert prof.draft_s(4, 3) == 0.0  # no propose measurements: free
+
+
+# ---------------------------------------------------------------- 1e. the per-batch policy
+
+
+def test_plan_prefers_off_when_verify_is_linear_and_drafts_are_poor():
+    verify = lambda b, n: 1e-3 * b * n  # noqa: E731 (no idle compute at all)
+    choices = plan((0.3,), [1, 8], verify, lambda b, d: 0.0)
+    assert all(c.best.shape.kind == "off" for c in choices)
+    assert choices[0].runner_up.shape.label == "chain:1"
+
+
+def test_plan_scores_are_consistent_with_score():
+    p, cm = published_model(0.8, 0.05)
+    for c in plan(p, [1, 16], cm.verify_s, cm.draft_s, max_nodes=64, max_depth=12):
+        again = score(c.best.shape, c.batch, cm.verify_s, cm.draft_s)
+        assert again.speedup == pytest.approx(c.best.speedup)
+        assert c.best.speedup >= c.runner_up.speedup
+
+
+# ---------------------------------------------------------------- 2. the published model
+
+
+def test_published_model_reproduced():
+    """alpha 0.8, draft 5% of a step per level, 8B on H100: a large tree at 1 user, a chain of two at 128,
+    and a 64-node tree at 128 users almost 4x slower than not speculating."""
+    p, cm = published_model(alpha=0.8, cost=0.05)
+    assert p[:3] == pytest.approx((0.8, 0.16, 0.032))
+    one, many = plan(p, [1, 128], cm.verify_s, cm.draft_s, max_nodes=512, max_depth=32)
+    assert one.best.shape.kind == "tree" and one.best.shape.nodes >= 64
+    assert many.best.shape.label == "chain:2"
+    tree64 = shape_of(best_trees(p, 64).tree(64), p)
+    assert tree64.nodes == 64
+    slowdown = 1 / score(tree64, 128, cm.verify_s, cm.draft_s).speedup
+    assert 3.5 < slowdown < 4.0
+
+
+def test_plan_cli_model_only(capsys, tmp_path):
+    from specjax.cli import main
+
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--model-only", "--alpha", "0.8", "--cost", "0.05", "--concurrency", "1,128",
+                 "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "chain:2" in text and "| 1 | tree:" in text
+    saved = json.loads(out_json.read_text())
+    assert saved["choices"][1]["best"]["label"] == "chain:2"
+
+
+# ---------------------------------------------------------------- 3. profiling
+
+
+def tiny_target(layers: int = 2):
+    import jax
+
+    from specjax.bench_ar import PRESETS
+    from specjax.config import ModelConfig
+    from specjax.models.decoder import init_params
+    from specjax.target import Target
+
+    hf = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg = ModelConfig.from_hf(hf, dtype="float32")
+    return Target(init_params(cfg, jax.random.key(0)), cfg, hf_config=hf)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    from specjax.drafters import DraftModelDrafter
+    from specjax.profile import profile
+
+    target = tiny_target(2)
+    draft = tiny_target(1)
+    return profile(target, DraftModelDrafter(draft.cfg, draft.params), batches=(1, 4), nodes=(1, 4),
+                   cache_lens=(32,), draft_depths=(1, 2), repeats=2)
+
+
+def test_profile_measures_every_shape_and_round_trips_through_json(tiny_profile, tmp_path):
+    prof = tiny_profile
+    assert {(r["batch"], r["nodes"]) for r in prof.verify} == {(1, 1), (1, 4), (4, 1), (4, 4)}
+    assert all(r["seconds"] > 0 and len(r["all_seconds"]) == 2 for r in prof.verify)
+    assert {(r["batch"], r["depth"]) for r in prof.propose} == {(1, 1), (1, 2), (4, 1), (4, 2)}
+    assert prof.dtype == "float32" and "L2" in prof.model and prof.device
+    path = save_profile(prof, tmp_path / "p.json")
+    save_profile(Profile("other", "m", "bfloat16", prof.verify), path)  # a second entry under its own key
+    back = load_profile(path, prof.key)
+    assert back == prof
+    assert back.verify_s(2, 3) == prof.verify_s(2, 3) > 0
+    assert back.draft_s(4, 3) > 0
+    with pytest.raises(ValueError, match="holds 2 profiles"):
+        load_profile(path)
+
+
+def test_profile_cli_writes_json(tmp_path, capsys):
+    from specjax.cli import main
+
+    out = tmp_path / "prof.json"
+    assert main(["profile", "--batches", "1", "--nodes", "1,2", "--cache-lens", "16", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    (key, entry), = json.loads(out.read_text())["profiles"].items()
+    assert len(entry["verify"]) == 2 and key.endswith("|float32")
+
+
+# ---------------------------------------------------------------- 4. acceptance from a calibration run
+
+
+def test_acceptance_from_stats_by_hand():
+    """kary:2,1 over 100 rounds: rank 0 accepted 60 times, rank 1 20 times at depth 1; 40 depth-2 acceptances."""
+    stats = {"row_rounds": [100], "acceptance_length": 2.2,
+             "accepted_child_rank": [[60, 20, 0, 0, 0], [40, 0, 0, 0, 0]]}
+    cal = calibration.acceptance_from_stats(stats, kary([2, 1]))
+    assert cal.p_rank == pytest.approx((100 / 180, 0.2))  # rank 0: (60 + 40) / (100 + 80 opportunities)
+    assert cal.p_depth_rank[0] == pytest.approx((0.6, 0.2))
+    assert cal.p_depth_rank[1][0] == pytest.approx(0.5)
+    assert cal.predicted_tau_by_depth == pytest.approx(1 + 0.6 + 0.2 + 0.3 + 0.1)
+    with pytest.raises(ValueError, match="speculative"):
+        calibration.acceptance_from_stats({"acceptance_length": 1.0}, chain(2))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    import specjax
+    from specjax.bench_spec import DEFAULT_DRAFT, DEFAULT_TARGET, bench_prompts
+
+    target = specjax.load(DEFAULT_TARGET)
+    return target, specjax.load_drafter(DEFAULT_DRAFT, target), bench_prompts(target, 2)
+
+
+def test_calibration_on_the_embedded_pair_predicts_measured_tau(tiny_pair):
+    target, drafter, prompts = tiny_pair
+    cal = calibration.calibrate(target, drafter, prompts, kary([3, 2, 1]), max_new_tokens=24)
+    assert 0.4 < cal.p_rank[0] < 1 and sum(cal.p_rank) <= 1 + 1e-9
+    assert cal.p_rank[0] > cal.p_rank[1]
+    # The positional model is an approximation: report it next to the measurement and keep it close.
+    assert cal.predicted_tau == pytest.approx(cal.measured_tau, rel=0.25)
+    assert cal.predicted_tau_by_depth == pytest.approx(cal.measured_tau, rel=0.15)
+
+
+# ---------------------------------------------------------------- 5. the advisor for a pair
+
+
+def test_plan_cli_for_the_embedded_pair_writes_table_and_plot(tmp_path, capsys):
+    from specjax.bench_spec import DEFAULT_DRAFT
+    from specjax.cli import main
+
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--drafter", str(DEFAULT_DRAFT), "--concurrency", "1,8,32,128", "--device", "h100",
+                 "--calibrate-prompts", "2", "--calibrate-tokens", "16", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "tau measured" in text and "| 128 |" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_cli_refuses_model_only_with_a_target(capsys):
+    from specjax.cli import main
+
+    assert main(["plan", "--model-only", "--target", "x"]) == 2
+    assert "drop --target" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- 6. generate(..., "auto")
+
+
+def test_generate_auto_equals_plain_greedy_and_reports_the_plan(tiny_pair):
+    import specjax
+
+    target, drafter, prompts = tiny_pair
+    plain = specjax.generate(target, prompts, max_new_tokens=20)
+    for kwargs in ({"tree": "auto"}, {"num_draft_tokens": "auto"}):
+        out = specjax.generate(target, prompts, max_new_tokens=20, drafter=drafter, **kwargs)
+        assert out.tokens == plain.tokens
+        assert out.stats["plan"]["kind"] in ("off", "chain", "tree")
+        if "num_draft_tokens" in kwargs:
+            assert out.stats["plan"]["kind"] != "tree"
+    again = specjax.generate(target, prompts, max_new_tokens=20, drafter=drafter, tree="auto")
+    assert again.stats["plan"]["cached"] and again.tokens == plain.tokens
+    with pytest.raises(ValueError, match="leave the other"):
+        specjax.generate(target, prompts, drafter=drafter, num_draft_tokens="auto", tree="kary:2,1")
+
+
+def test_generate_auto_off_runs_the_plain_loop(tiny_pair, monkeypatch):
+    import specjax
+
+    target, drafter, prompts = tiny_pair
+    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(
+        batches[0], planner.Scored(planner.Shape("off", None, 1.0), 1.0, 1.0), None)])
+    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    out = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")
+    assert out.stats["plan"]["kind"] == "off" and out.stats["drafter_calls"] == 0
+    assert out.tokens == specjax.generate(target, prompts, max_new_tokens=12).tokens
+
+
+# ---------------------------------------------------------------- 7. scripts/load_curve.py at a tiny size
+
+
+def load_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "load_curve.py"
+    spec = importlib.util.spec_from_file_location("load_curve", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["load_curve"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tree_replay_accepts_as_the_positional_model_says():
+    """Many rows, one shape: measured per-rank acceptance matches alpha (1 - alpha)^r."""
+    import specjax
+
+    lc = load_script()
+    target = tiny_target(1)
+    prompts = np.random.default_rng(0).integers(3, 512, size=(32, 8)).tolist()
+    base = specjax.generate(target, prompts, max_new_tokens=40, eos_token_id=[])
+    drafter = lc.tree_replay(base.tokens, 512, 0.6)
+    out = specjax.generate(target, prompts, max_new_tokens=40, eos_token_id=[], drafter=drafter, tree=kary([3, 1]))
+    assert out.tokens == base.tokens
+    cal = calibration.acceptance_from_stats(out.stats, kary([3, 1]))
+    assert cal.p_rank == pytest.approx((0.6, 0.24, 0.096), abs=0.05)
+
+
+def test_load_curve_script_tiny(tmp_path):
+    lc = load_script()
+    out, png = tmp_path / "lc.json", tmp_path / "lc.png"
+    assert lc.main(["--preset", "micro", "--batches", "1,2", "--chains", "1,2", "--trees", "6", "--max-depth", "2",
+                    "--repeats", "2", "--max-new-tokens", "8", "--profile-repeats", "1", "--out", str(out),
+                    "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    shapes = {(r["batch"], r["shape"]) for r in result["rows"]}
+    assert {(1, "off"), (1, "chain:1"), (2, "chain:2"), (2, "tree:6n/d2")} <= shapes
+    for r in result["rows"]:
+        assert len(r["tokens_per_s_all"]) == 2 and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+        assert "speedup_predicted" in r
+    assert set(result["picks"]) == {"1", "2"} and result["profile"]["verify"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):
+    from specjax.cli import main
+
+    assert main(["profile", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specjax profile: error:") and err.count("\n") == 1
