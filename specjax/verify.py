@@ -35,6 +35,9 @@ class Draft:
     valid: jax.Array  # bool [B, N]; a row may use fewer than N nodes (root always valid)
     q: jax.Array | None = None  # float32 [B, N, V]: distribution node i was drawn from; None = deterministic
     confidence: jax.Array | None = None  # float32 [B, N]: drafter's P(accept node | its prefix accepted)
+    # float32 [B, N, V]: the logits node i was chosen from (target vocabulary, -inf outside a reduced draft
+    # vocabulary; node 0 unused). Only drafts proposed with Settings(record_logits=True) carry them.
+    logits: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

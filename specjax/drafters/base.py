@@ -45,6 +45,7 @@ class Settings:
     sampling: SamplingConfig
     cache_len: int
     max_new_tokens: int  # output bucket: an upper bound on tokens one row can emit
+    record_logits: bool = False  # attach Draft.logits (inspect_draft); never in the decode loop
 
 
 class Drafter(Protocol):
@@ -72,6 +73,18 @@ def require_chain(name: str, settings: Settings) -> None:
     """For drafters that only propose chains: refuse a tree spec with an error that says what to pass."""
     if not settings.tree.is_chain:
         raise ValueError(f"the {name} drafter proposes chains only; pass num_draft_tokens=K, not a tree")
+
+
+def chain_nodes(first_BX: jax.Array | None, rest_KBX: jax.Array | None) -> jax.Array | None:
+    """Per-node values of a chain, [B, N, ...]: zeros for the root, then draft 1, then a scan's stacked rest.
+
+    For q and recorded logits, which a chain drafter produces for draft 1 outside its scan and for
+    drafts 2..K inside it (stacked on a leading axis). None in, None out.
+    """
+    if first_BX is None:
+        return None
+    return jnp.concatenate([jnp.zeros_like(first_BX)[:, None], first_BX[:, None], jnp.moveaxis(rest_KBX, 0, 1)],
+                           axis=1)
 
 
 def accepted_tokens(draft: Draft, verdict: Verdict) -> jax.Array:

@@ -29,7 +29,7 @@ from ..models.decoder import attn_out_and_mlp, forward, has_layer_list, lm_head,
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings
+from .base import PrefillContext, Settings, chain_nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,24 +94,25 @@ class DraftModelDrafter:
         step_cache = KVCache(cache.k, cache.v, length_B - 1)
         h_B2D, _, step_cache = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1), step_cache,
                                        attn_impl=self.attn_impl)
-        tok_B, q_BV = self._choose(keys[0], lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0])
+        logits_BV = lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0]
+        tok_B, q_BV = self._choose(keys[0], logits_BV)
+        record = self.settings.record_logits
 
         def step(carry, xs):
             kc, vc, tok_B = carry
             i, step_keys_B = xs
             h_B1D, _, c = forward(params, self.cfg, tok_B[:, None], KVCache(kc, vc, length_B + i),
                                   attn_impl=self.attn_impl)
-            nxt_B, q_BV = self._choose(step_keys_B, lm_head(params, self.cfg, h_B1D)[:, 0])
-            return (c.k, c.v, nxt_B), (nxt_B, q_BV)
+            step_logits_BV = lm_head(params, self.cfg, h_B1D)[:, 0]
+            nxt_B, q_BV = self._choose(step_keys_B, step_logits_BV)
+            return (c.k, c.v, nxt_B), (nxt_B, q_BV, step_logits_BV if record else None)
 
-        (kc, vc, _), (rest_KB, rest_q) = lax.scan(step, (step_cache.k, step_cache.v, tok_B),
-                                                  (jnp.arange(1, k, dtype=jnp.int32), keys[1:]))
+        (kc, vc, _), (rest_KB, rest_q, rest_logits) = lax.scan(
+            step, (step_cache.k, step_cache.v, tok_B), (jnp.arange(1, k, dtype=jnp.int32), keys[1:]))
         tokens_BN = jnp.concatenate([root_B[:, None], tok_B[:, None], rest_KB.T], axis=1)
-        q = None
-        if q_BV is not None:
-            q = jnp.concatenate([jnp.zeros_like(q_BV)[:, None], q_BV[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
         b = root_B.shape[0]
-        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                      chain_nodes(q_BV, rest_q), logits=chain_nodes(logits_BV, rest_logits) if record else None)
         return draft, (KVCache(kc, vc, length_B), prev_B)
 
     def _propose_tree(self, params, state, root_B):

@@ -1,0 +1,72 @@
+"""`specjax.inspect_draft`: the first drafting round of any drafter, for looking at in a notebook.
+
+Runs the target's prefill (greedy root), the drafter's `init` and one `propose`, and returns
+what the drafter proposed and why: the draft tokens, the logits each was chosen from (target
+vocabulary, after any vocabulary mapping; -inf outside a reduced draft vocabulary), the
+drafter's confidences when it has them, and the whole tree when a tree was asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from .cache import init_cache
+from .config import SamplingConfig
+from .decode import LoopConfig, prefill
+from .drafters.base import Drafter, PrefillContext, Settings
+from .models.decoder import has_layer_list
+from .request import prepare, run_compiled
+from .sampling import choose_token, row_keys, split_rows
+from .speculative import check_drafter_fits
+from .target import Target
+from .tree import parse_tree
+
+
+@dataclasses.dataclass
+class DraftInspection:
+    root: int  # the target's greedy first token: node 0 of the draft
+    tokens: np.ndarray  # int [N - 1]: the drafted tokens in node order (a chain: in sequence order)
+    logits: np.ndarray | None  # float32 [N - 1, V]: what each was chosen from; None for model-free drafters
+    confidence: np.ndarray | None  # float32 [N - 1]: P(accept | prefix accepted), for drafters that estimate it
+    tree_tokens: np.ndarray  # int [N]: root first
+    tree_parents: np.ndarray  # int [N]: -1 for the root
+
+
+@partial(jax.jit, static_argnames=("lc", "drafter"))
+def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, *, lc: LoopConfig,
+                drafter: Drafter):
+    """Prefill, choose the root, init the drafter, propose once: (root [B], Draft)."""
+    del max_new_B
+    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
+    cache = init_cache(lc.model, prompt_BT.shape[0], lc.cache_len, per_layer=has_layer_list(params))
+    logits_BV, features, _ = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=drafter.feature_layers)
+    root_B = choose_token(sub_B, logits_BV, lc.sampling)
+    state = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, features))
+    draft, _ = drafter.propose(draft_params, state, root_B, keys_B)
+    return root_B, draft
+
+
+def inspect_draft(target: Target, drafter: Drafter, prompt: str | Sequence[int], *, num_draft_tokens: int | None = None,
+                  tree=None, seed: int = 0) -> DraftInspection:
+    """The first round's draft for one prompt (greedy root and greedy drafting): see DraftInspection."""
+    if num_draft_tokens is not None and tree is not None:
+        raise ValueError("pass either num_draft_tokens (a chain) or tree, not both")
+    spec = parse_tree(tree, num_draft_tokens)
+    check_drafter_fits(drafter, target)
+    sampling = SamplingConfig()
+    req = prepare(target, [prompt], 1, sampling, None, None, seed, draft_nodes=spec.cache_slots)
+    configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len, record_logits=True))
+    (root_B, draft), _, _ = run_compiled(
+        target, ("inspect", req.lc, configured, req.prompt_BT.shape), first_draft,
+        (target.params, configured.params, *req.arrays()), {"lc": req.lc, "drafter": configured})
+    row = jax.tree.map(lambda x: np.asarray(x)[0], draft)
+    return DraftInspection(
+        root=int(np.asarray(root_B)[0]), tokens=row.tokens[1:],
+        logits=None if row.logits is None else row.logits[1:],
+        confidence=None if row.confidence is None else row.confidence[1:],
+        tree_tokens=row.tokens, tree_parents=row.parents)
