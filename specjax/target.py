@@ -33,6 +33,7 @@ class Target:
     attn_impl: str = "auto"
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)  # loop key -> compiled executable
     layout: str = "auto"  # "auto" | "stacked" | "per_layer": see serving_layout
+    mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
 
     def __post_init__(self):
         self.params = serving_layout(self.params, self.layout)
@@ -100,7 +101,8 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
         hf_config, cfg, host_params = load_hf(path, dtype=dtype)
         params = jax.tree.map(jnp.asarray, host_params)
     cfg = with_generation_eos(cfg, path)
-    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout)
+    mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them
+    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout, mtp=mtp)
 
 
 def with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
@@ -143,7 +145,10 @@ def serving_layout(params: dict, layout: str = "auto") -> dict:
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """Hugging Face directory -> orbax checkpoint with config and tokenizer files, written atomically."""
+    """Hugging Face directory -> orbax checkpoint with config and tokenizer files, written atomically.
+
+    MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py).
+    """
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist: pass a Hugging Face model directory")

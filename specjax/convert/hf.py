@@ -5,9 +5,11 @@ multiply on the left (x @ W). Per-layer tensors are stacked on a leading layer a
 on the host (numpy), then moved to the device once.
 
 Every tensor in the checkpoint must be accounted for by the config: one the config does
-not explain (q/k/v biases with `attention_bias` false, a layer past `num_hidden_layers`,
-an MTP head) is refused by name rather than silently dropped, since dropping it would run
-a different model from the one the checkpoint describes. The only exceptions are:
+not explain (q/k/v biases with `attention_bias` false, a layer past `num_hidden_layers`)
+is refused by name rather than silently dropped, since dropping it would run a different
+model from the one the checkpoint describes. Multi-token-prediction (MTP) layers are kept:
+they go to `params["mtp"]` through convert/mtp.py (which checks them just as strictly), and
+the target itself runs without them. The only exceptions are:
   * `_HARMLESS` below: non-persistent buffers some exporters saved anyway (RoPE
     `inv_freq`), which specjax recomputes from the config;
   * `lm_head.weight` with `tie_word_embeddings` true when it equals the embedding
@@ -28,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..models.decoder import param_shapes
+from .mtp import read_mtp
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -56,7 +59,7 @@ _HARMLESS = (
     re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
 )
 # Multi-token-prediction heads: DeepSeek-V3 style (an extra layer past num_hidden_layers with these
-# modules) and Qwen3-Next style (an `mtp.` prefix). Recognised so the error can say what they are.
+# modules) and Qwen3-Next style (an `mtp.` prefix). Recognised here, read by convert/mtp.py.
 _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
@@ -120,15 +123,19 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
                          "(an interrupted download or save): re-download or re-save it") from None
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: dict | None = None) -> dict:
     """Map HF tensor names to the specjax param tree, checking every name and shape.
 
-    Raises ValueError naming any tensor the config does not account for (see the module docstring).
+    MTP tensors become `params["mtp"]` (convert/mtp.py; `hf_config` gives their layer count).
+    Raises ValueError naming any other tensor the config does not account for (see the module docstring).
     """
     params, used = take_params(tensors, cfg)
     leftover = unaccounted_tensors(tensors, used, cfg)
     if leftover:
-        raise ValueError(describe_unaccounted(split_known_extras(leftover, cfg), cfg))
+        groups = split_known_extras(leftover, cfg)
+        if groups["unknown"]:
+            raise ValueError(describe_unaccounted({"unknown": groups["unknown"]}, cfg))
+        params["mtp"] = read_mtp(tensors, groups["mtp"], cfg, hf_config or {})
     return params
 
 
@@ -198,17 +205,13 @@ def split_known_extras(names: list[str], cfg: ModelConfig) -> dict[str, list[str
 
 
 def describe_unaccounted(groups: dict[str, list[str]], cfg: ModelConfig) -> str:
-    """One-line error for leftover tensors: which ones, the likely config mismatch, and what to do."""
+    """One-line error for leftover tensors the config does not explain: which ones, the likely mismatch, what to do."""
     parts = []
     if groups.get("unknown"):
         names = groups["unknown"]
         parts.append(f"checkpoint has {len(names)} tensor(s) the config does not account for: {_shown(names)}"
                      f"{_config_hints(names, cfg)}; specjax refuses to drop weights: make config.json match the"
                      " checkpoint, or remove the tensors that do not belong to the model")
-    if groups.get("mtp"):
-        names = groups["mtp"]
-        parts.append(f"checkpoint has {len(names)} multi-token-prediction (MTP) tensor(s): {_shown(names)}; MTP"
-                     " tensors are not yet supported: remove them to convert the base model alone")
     return "; ".join(parts)
 
 
@@ -234,8 +237,11 @@ def _config_hints(names: list[str], cfg: ModelConfig) -> str:
 
 
 def load_hf(model_dir: Path, dtype: str | None = None) -> tuple[dict, ModelConfig, dict[str, np.ndarray]]:
-    """(raw config.json dict, ModelConfig, host params) from a Hugging Face model directory."""
+    """(raw config.json dict, ModelConfig, host params) from a Hugging Face model directory.
+
+    The params carry `mtp` when the checkpoint has MTP layers (`specjax.load` keeps them apart).
+    """
     hf_cfg = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_cfg, dtype=dtype)
-    params = hf_to_params(read_tensors(safetensors_files(model_dir)), cfg)
+    params = hf_to_params(read_tensors(safetensors_files(model_dir)), cfg, hf_cfg)
     return hf_cfg, cfg, params

@@ -8,11 +8,12 @@ from pathlib import Path
 from .base import Drafter, PrefillContext, Settings
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter, eagle3_drafter
+from .mtp import MtpDrafter, mtp_drafter
 from .ngram import NgramDrafter
 from .replay import ReplayDrafter, replay_drafter
 
-__all__ = ["Drafter", "DraftModelDrafter", "Eagle3Drafter", "NgramDrafter", "PrefillContext", "ReplayDrafter",
-           "Settings", "drafter_family", "load_drafter", "replay_drafter"]
+__all__ = ["Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter", "NgramDrafter", "PrefillContext",
+           "ReplayDrafter", "Settings", "drafter_family", "load_drafter", "mtp_drafter", "replay_drafter"]
 
 
 def drafter_family(path: str | Path) -> str:
@@ -31,11 +32,14 @@ def drafter_family(path: str | Path) -> str:
     return "draft_model"
 
 
-def load_drafter(path: str | Path, target, *, attn_impl: str | None = None) -> Drafter:
+def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None) -> Drafter:
     """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
     - An EAGLE-3 head (SafeAILab or SpecForge format) becomes an `Eagle3Drafter` reading the
       target's features; hidden size, vocabulary, d2t and tap layers are checked against the target.
+    - The target's own directory, when its checkpoint carries MTP layers (or `mtp=True`), gives
+      the target's `MtpDrafter`; so does another directory of the same model (same config.json
+      shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
     """
@@ -43,7 +47,17 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None) -> D
 
     if drafter_family(path) == "eagle3":
         return eagle3_drafter(path, target, attn_impl=attn_impl)
+    own = getattr(target, "mtp", None) is not None
+    if mtp or (mtp is None and own and _same_dir(path, getattr(target, "path", None))):
+        if own or _same_dir(path, getattr(target, "path", None)):
+            return mtp_drafter(target, attn_impl=attn_impl)  # ValueError when the target has none
     model = load(path, attn_impl=attn_impl or target.attn_impl)
+    if mtp is not False and model.mtp is not None and _same_model(model, target):
+        return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
+    if mtp:
+        what = "has no MTP layers" if model.mtp is None else "is a different model from the target"
+        raise ValueError(f"mtp=True but neither the target nor {path} has MTP layers for it ({path} {what}); an MTP "
+                         "drafter runs the target's own multi-token-prediction layers")
     if model.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {model.cfg.vocab_size} but the target has "
                          f"{target.cfg.vocab_size}; a draft model must share the target's tokenizer")
@@ -52,3 +66,14 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None) -> D
             raise ValueError(f"draft model {path} has a different tokenizer from the target (same size, different"
                              " token ids); a draft model must share the target's tokenizer")
     return DraftModelDrafter(model.cfg, model.params, attn_impl=model.attn_impl)
+
+
+def _same_dir(a, b) -> bool:
+    return b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _same_model(model, target) -> bool:
+    """The same architecture and shapes (the dtype and EOS ids may differ): its MTP layers fit the target."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "family", "qkv_bias", "qk_norm", "tie_word_embeddings", "rope")
+    return all(getattr(model.cfg, k) == getattr(target.cfg, k) for k in keep)

@@ -1,0 +1,199 @@
+"""Read the multi-token-prediction (MTP) tensors a target checkpoint carries, checked against the target.
+
+Two layouts (torch [out, in] weights; H = the target's hidden size, V its vocabulary):
+
+  DeepSeek-V3: MTP layer j is stored as an extra decoder layer `model.layers.{L + j}` (L =
+  num_hidden_layers) with, besides the usual layer tensors (input_layernorm, self_attn.*,
+  post_attention_layernorm, mlp.*):
+      enorm.weight [H], hnorm.weight [H], eh_proj.weight [H, 2H], shared_head.norm.weight [H],
+      shared_head.head.weight [V, H] (optional: else the target's lm_head),
+      embed_tokens.weight [V, H] (optional: else the target's embedding).
+  config.json: num_nextn_predict_layers (when present it must match the layers found).
+
+  Qwen3-Next / Qwen3.5: `mtp.fc.weight` [H, 2H], `mtp.pre_fc_norm_embedding.weight` [H],
+  `mtp.pre_fc_norm_hidden.weight` [H], `mtp.norm.weight` [H] (shared by all MTP layers),
+  `mtp.layers.{j}.*` (the usual layer tensors); the target's lm_head.
+  config.json: mtp_num_hidden_layers or num_nextn_predict_layers (checked when present).
+
+specjax's MTP block is a dense decoder layer of the target's family, so every block tensor
+must have the shape of one of the target's layers (MLA / MoE blocks are refused by name).
+Stored form (`params["mtp"]` of a converted checkpoint, `Target.mtp`), [in, out] matrices:
+  deepseek:   {"layers": {"0": {embed_norm, hidden_norm, fc [2H, H], final_norm, block {...},
+                                optionally embed [V, H], lm_head [H, V]}, "1": ...}}
+  qwen3_next: {embed_norm, hidden_norm, fc, final_norm, "layers": {"0": {block {...}}, ...}}
+A per-layer embed_tokens or shared_head.head equal to the target's own table is not kept (the
+drafter uses the target's array: DeepSeek-V3's checkpoint repeats both in its MTP layer).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..models.decoder import param_shapes
+
+_SHOWN = 8
+
+
+def _np_dtype(cfg: ModelConfig):
+    from .hf import _NP_DTYPES  # noqa: PLC0415 (hf imports this module)
+
+    return _NP_DTYPES[cfg.dtype]
+
+
+def _layer_keys() -> dict:
+    from .hf import _LAYER_KEYS  # noqa: PLC0415 (hf imports this module)
+
+    return _LAYER_KEYS
+
+
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer of the target ([in, out])."""
+    return {k: s[1:] for k, s in param_shapes(cfg)["layers"].items()}
+
+
+def fuse_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    return {"embed_norm": (h,), "hidden_norm": (h,), "fc": (2 * h, h), "final_norm": (h,)}
+
+
+def _layout_names(prefix: str, layout: str) -> dict[str, str]:
+    """specjax fuse key -> checkpoint name for one layout."""
+    if layout == "deepseek":
+        return {"embed_norm": f"{prefix}enorm.weight", "hidden_norm": f"{prefix}hnorm.weight",
+                "fc": f"{prefix}eh_proj.weight", "final_norm": f"{prefix}shared_head.norm.weight"}
+    return {"embed_norm": "mtp.pre_fc_norm_embedding.weight", "hidden_norm": "mtp.pre_fc_norm_hidden.weight",
+            "fc": "mtp.fc.weight", "final_norm": "mtp.norm.weight"}
+
+
+class _Reader:
+    """Takes tensors by name with shape checks whose errors say what the target implies."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], cfg: ModelConfig):
+        self.tensors, self.cfg, self.used = tensors, cfg, set()
+        self.dtype = _np_dtype(cfg)
+
+    def take(self, name: str, shape: tuple[int, ...], transpose: bool, why: str) -> np.ndarray:
+        stored_shape = shape[::-1] if transpose else shape
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint lacks MTP tensor '{name}' (shape {stored_shape}, {why})")
+        t = self.tensors[name]
+        if t.shape != stored_shape:
+            raise ValueError(f"MTP tensor '{name}' has shape {tuple(t.shape)} but {why} implies {stored_shape}")
+        self.used.add(name)
+        return np.asarray(t.T if transpose else t).astype(self.dtype)
+
+    def fuse(self, names: dict[str, str]) -> dict[str, np.ndarray]:
+        h = self.cfg.hidden_size
+        why = {"fc": f"the target's hidden_size {h} (an MTP projection maps 2 x {h} -> {h})"}
+        return {k: self.take(names[k], s, k == "fc", why.get(k, f"the target's hidden_size {h}"))
+                for k, s in fuse_shapes(self.cfg).items()}
+
+    def block(self, prefix: str) -> dict[str, np.ndarray]:
+        c = self.cfg
+        why = (f"one decoder layer of the target (hidden {c.hidden_size}, {c.num_heads} heads x {c.head_dim}, "
+               f"{c.num_kv_heads} kv heads, intermediate {c.intermediate_size}; specjax's MTP block is a dense layer "
+               "of the target's family)")
+        keys = _layer_keys()
+        return {k: self.take(prefix + keys[k][0], s, keys[k][1], why) for k, s in block_shapes(c).items()}
+
+    def optional_table(self, name: str, same_as: str | None, transpose: bool) -> np.ndarray | None:
+        """An optional [V, H] table; None (use the target's) when absent or equal to `same_as`."""
+        if name not in self.tensors:
+            return None
+        v, h = self.cfg.vocab_size, self.cfg.hidden_size
+        t = self.tensors[name]
+        if t.ndim != 2 or t.shape[1] != h or t.shape[0] != v:
+            raise ValueError(f"MTP tensor '{name}' has shape {tuple(t.shape)} but the target's vocabulary has {v} "
+                             f"tokens and its hidden_size is {h}: expected ({v}, {h})")
+        self.used.add(name)
+        if same_as is not None and same_as in self.tensors and np.array_equal(t, self.tensors[same_as]):
+            return None
+        return np.asarray(t.T if transpose else t).astype(self.dtype)
+
+
+_DEEPSEEK_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_QWEN_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
+
+
+def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig, hf: dict) -> dict:
+    """The stored MTP params (module docstring) from the checkpoint's MTP tensor `names`.
+
+    ValueError naming the tensor for a missing or mis-shaped one, for MTP tensors specjax does not
+    know (an MoE or MLA block, say), and for a layer count that disagrees with config.json.
+    """
+    reader = _Reader(tensors, cfg)
+    qwen = [n for n in names if n.startswith("mtp.")]
+    deepseek = [n for n in names if not n.startswith("mtp.")]
+    if qwen and deepseek:
+        raise ValueError(f"checkpoint mixes the DeepSeek-V3 MTP layout ({_shown(deepseek)}) with the Qwen3-Next one "
+                         f"({_shown(qwen)}); a model carries one")
+    if deepseek:
+        indices = sorted({int(m.group(1)) for n in deepseek if (m := _DEEPSEEK_LAYER.match(n))})
+        count_keys = ("num_nextn_predict_layers",)
+        expected = list(range(cfg.num_layers, cfg.num_layers + len(indices)))
+        if indices != expected:
+            raise ValueError(f"the checkpoint's MTP layers are model.layers.{indices}; DeepSeek-style MTP layers "
+                             f"follow the target's {cfg.num_layers} layers as model.layers.{expected}")
+        stored = {"layers": {}}
+        for j, i in enumerate(indices):
+            prefix = f"model.layers.{i}."
+            layer = reader.fuse(_layout_names(prefix, "deepseek"))
+            layer["block"] = reader.block(prefix)
+            head_same = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            head = reader.optional_table(f"{prefix}shared_head.head.weight", head_same, transpose=True)
+            if head is not None:
+                layer["lm_head"] = head
+            embed = reader.optional_table(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight", transpose=False)
+            if embed is not None:
+                layer["embed"] = embed
+            stored["layers"][str(j)] = layer
+        count = len(indices)
+    else:
+        indices = sorted({int(m.group(1)) for n in qwen if (m := _QWEN_LAYER.match(n))})
+        count_keys = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+        if indices != list(range(len(indices))) or not indices:
+            raise ValueError(f"the checkpoint's Qwen3-Next-style MTP layers are mtp.layers.{indices}; expected "
+                             "mtp.layers.0, 1, ... (at least one)")
+        stored = reader.fuse(_layout_names("mtp.", "qwen3_next"))
+        stored["layers"] = {str(j): {"block": reader.block(f"mtp.layers.{j}.")} for j in indices}
+        count = len(indices)
+    for key in count_keys:
+        if hf.get(key) is not None:
+            if hf[key] != count:
+                raise ValueError(f"config.json '{key}' is {hf[key]} but the checkpoint has {count} MTP layer(s)")
+            break
+    leftover = sorted(set(names) - reader.used)
+    if leftover:
+        raise ValueError(f"checkpoint has {len(leftover)} MTP tensor(s) specjax does not know: {_shown(leftover)}; "
+                         "specjax's MTP block is a dense decoder layer of the target's family (no MoE / MLA), and "
+                         "it refuses to drop weights")
+    return stored
+
+
+def check_stored(stored: dict, cfg: ModelConfig) -> None:
+    """Shapes of stored MTP params (e.g. a converted checkpoint) against the target's config."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    fuse_sets = [stored] if "fc" in stored else list(stored["layers"].values())
+    for fs in fuse_sets:
+        for k, s in fuse_shapes(cfg).items():
+            if tuple(fs[k].shape) != s:
+                raise ValueError(f"MTP param '{k}' has shape {tuple(fs[k].shape)} but the target's hidden_size {h} "
+                                 f"implies {s}")
+    for j, layer in stored["layers"].items():
+        for k, s in block_shapes(cfg).items():
+            if k not in layer["block"] or tuple(layer["block"][k].shape) != s:
+                got = tuple(layer["block"][k].shape) if k in layer["block"] else "nothing"
+                raise ValueError(f"MTP layer {j} block param '{k}' has shape {got} but a layer of the target "
+                                 f"implies {s}")
+        for k, s in (("embed", (v, h)), ("lm_head", (h, v))):
+            if k in layer and tuple(layer[k].shape) != s:
+                raise ValueError(f"MTP layer {j} '{k}' has shape {tuple(layer[k].shape)} but the target's vocabulary "
+                                 f"({v}) and hidden_size ({h}) imply {s}")
+
+
+def _shown(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")

@@ -1,0 +1,312 @@
+"""Multi-token-prediction (MTP) heads: prediction layers shipped inside the target, as a drafter.
+
+An MTP layer reads the target's pre-norm last hidden state h_p at position p and the
+embedding of the token after it, t_{p+1}, and predicts t_{p+2}:
+
+    x  = fc(concat(embed_norm(embed(t_{p+1})), hidden_norm(h_p)))     embedding first, 2H -> H, no bias
+    h' = block(x)                    a decoder layer of the target's family, with its own KV cache
+    logits = lm_head(final_norm(h'))
+
+Two checkpoint layouts (see convert/mtp.py for the tensor names):
+  * DeepSeek-V3 ("deepseek"): every MTP layer has its own enorm / hnorm / eh_proj /
+    shared_head.norm (and optionally its own shared_head.head and embed_tokens). As vLLM and
+    SGLang compute it, the embedding at position 0 is zeroed (`mask_position0`). The hidden fed
+    to the next draft step is h' before shared_head.norm.
+  * Qwen3-Next / Qwen3.5 ("qwen3_next"): one pre_fc_norm_embedding / pre_fc_norm_hidden / fc /
+    norm shared by all `mtp.layers`; those norms are zero-centred as in Qwen3-Next (scale
+    1 + w, `zero_centered`); logits use the target's lm_head. The hidden fed to the next draft
+    step is final_norm(h') (vLLM's Qwen3NextMultiTokenPredictor returns it normed).
+The block itself is always the target's dense layer (specjax's `qkv` / `attn_out_and_mlp`),
+whatever the original model's block was (MLA / MoE blocks are out of scope).
+
+Drafting (chains): draft 1 comes from MTP layer 0 at the newest committed row (the target's
+hidden paired with the root). Draft s + 1 (s >= 1) comes from layer s mod n at position
+P - 1 + s, fed the previous step's hidden and draft s; when K exceeds the number of layers
+they are reused in turn (vLLM's `spec_step_idx % num_mtp_layers`).
+
+KV caches: one per MTP layer. Committed rows 0 .. P-1 of every layer hold that layer run on
+the true pairs (h_p, t_{p+1}) — what the original module computes when called on a prefill
+with that layer's step index. During drafting a layer writes its provisional rows after its
+committed ones in the order it runs (row P + m for its m-th use this round, RoPE at the
+step's own position), so a layer used every n-th step sees its committed prefix and its own
+earlier guesses, never an unwritten row. `update` recomputes every layer's rows for the
+accepted path from the target's true hidden states, as Eagle3Drafter does.
+
+Params (what `MtpDrafter` runs; [in, out] matrices):
+    layers: tuple of per-layer dicts {embed_norm [H], hidden_norm [H], fc [2H, H], final_norm [H],
+            block {the decoder's layer keys}, optionally embed [V, H] and lm_head [H, V]}
+            (the Qwen3-Next layout's shared modules appear in each entry, the same arrays);
+    embed [V, H] and, for an untied target, lm_head [H, V]: the target's own arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels import attention
+
+from ..cache import KVCache, init_cache, write_layer
+from ..config import ModelConfig
+from ..models.decoder import attn_out_and_mlp, causal_mask, qkv, rms_norm, rope_inv_freq
+from ..sampling import sample_rows, sampling_logprobs, split_rows
+from ..tree import spec_arrays
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings, accepted_tokens, require_chain
+
+LAYOUTS = ("deepseek", "qwen3_next")
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig:
+    """Shape and numerics of a target's MTP layers (hashable: part of the compiled loop's key)."""
+
+    layout: str  # "deepseek" | "qwen3_next"
+    num_layers: int  # MTP layers
+    target: ModelConfig  # the target's config: the block is one of its layers
+
+    @property
+    def block(self) -> ModelConfig:
+        """One decoder layer of the target's family (shapes, RoPE, norms, biases)."""
+        return dataclasses.replace(self.target, num_layers=1)
+
+    @property
+    def zero_centered(self) -> bool:
+        """Qwen3-Next's own norms scale by (1 + w) (vLLM: Qwen3NextRMSNorm = GemmaRMSNorm)."""
+        return self.layout == "qwen3_next"
+
+    @property
+    def mask_position0(self) -> bool:
+        """DeepSeek MTP zeroes the embedding at position 0 (vLLM / SGLang deepseek MTP forward)."""
+        return self.layout == "deepseek"
+
+    @property
+    def feed_back_normed(self) -> bool:
+        """Whether the next draft step is fed final_norm(h') (Qwen3-Next) or h' itself (DeepSeek)."""
+        return self.layout == "qwen3_next"
+
+
+# ---- the head step, shared by serving, parity tests and training -------------------------------------------
+
+
+def layout_norm(cfg: MtpConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The MTP module's own RMSNorms (not the block's): scale w, or 1 + w for the Qwen3-Next layout."""
+    return rms_norm(x, 1.0 + weight if cfg.zero_centered else weight, cfg.target.rms_norm_eps)
+
+
+def layer_params(params: dict, j: int) -> dict:
+    return params["layers"][j]
+
+
+def embed_rows(params: dict, j: int, ids_BT: jax.Array) -> jax.Array:
+    """Embeddings of ids from layer j's own table when it has one, else the target's."""
+    lp = layer_params(params, j)
+    return (lp["embed"] if "embed" in lp else params["embed"])[ids_BT]
+
+
+def fuse(cfg: MtpConfig, params: dict, j: int, ids_BT: jax.Array, h_BTD: jax.Array,
+         positions_BT: jax.Array) -> jax.Array:
+    """fc(concat(embed_norm(embed(ids)), hidden_norm(h))): the block's input [B, T, H]."""
+    lp = layer_params(params, j)
+    emb_BTD = embed_rows(params, j, ids_BT).astype(h_BTD.dtype)
+    if cfg.mask_position0:
+        emb_BTD = jnp.where((positions_BT == 0)[..., None], jnp.zeros_like(emb_BTD), emb_BTD)
+    x_BT2D = jnp.concatenate([layout_norm(cfg, emb_BTD, lp["embed_norm"]),
+                              layout_norm(cfg, h_BTD, lp["hidden_norm"])], axis=-1)
+    return x_BT2D @ lp["fc"]
+
+
+def head_step(cfg: MtpConfig, params: dict, j: int, ids_BT: jax.Array, h_BTD: jax.Array, k_buf: jax.Array,
+              v_buf: jax.Array, lengths_B: jax.Array, *, positions_BT: jax.Array | None = None,
+              mask_BTT: jax.Array | None = None, attn_impl: str = "auto"):
+    """MTP layer j over T new rows per row of the batch, after each row's `lengths_B` cached rows.
+
+    ids_BT: the tokens paired with h_BTD (t_{p+1} with h_p). K/V are written at lengths + t;
+    positions default to lengths + t, the mask among new rows to causal.
+    Returns (the block's output before the final norm [B, T, H], k_buf, v_buf).
+    """
+    b, t = ids_BT.shape
+    if positions_BT is None:
+        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if mask_BTT is None:
+        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    block_cfg, p = cfg.block, layer_params(params, j)["block"]
+    x_BTD = fuse(cfg, params, j, ids_BT, h_BTD, positions_BT)
+    q_BTHD, k_BTKD, v_BTKD = qkv(block_cfg, p, x_BTD, positions_BT, rope_inv_freq(block_cfg.rope, block_cfg.head_dim))
+    k_buf = write_layer(k_buf, None, k_BTKD, lengths_B)
+    v_buf = write_layer(v_buf, None, v_BTKD, lengths_B)
+    o_BTHD = attention(q_BTHD, k_buf, v_buf, lengths_B, mask_BTT, impl=attn_impl, finite_cache=True)
+    return attn_out_and_mlp(block_cfg, p, x_BTD, o_BTHD), k_buf, v_buf
+
+
+def final_normed(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
+    return layout_norm(cfg, out_BTD, layer_params(params, j)["final_norm"])
+
+
+def feedback(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
+    """The hidden the next draft step reads: after the final norm (Qwen3-Next) or before (DeepSeek)."""
+    return final_normed(cfg, params, j, out_BTD) if cfg.feed_back_normed else out_BTD
+
+
+def head_logits(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
+    """fp32 logits over the target vocabulary [..., V] from layer j's pre-norm output."""
+    x = final_normed(cfg, params, j, out_BTD)
+    lp = layer_params(params, j)
+    if "lm_head" in lp:
+        return jnp.einsum("...d,dv->...v", x, lp["lm_head"], preferred_element_type=jnp.float32)
+    if cfg.target.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def init_head_cache(cfg: MtpConfig, batch: int, max_len: int) -> KVCache:
+    """One [B, S, Hkv, D] buffer per MTP layer, lengths 0."""
+    return init_cache(dataclasses.replace(cfg.block, num_layers=cfg.num_layers), batch, max_len, per_layer=True)
+
+
+# ---- params: the stored (converted) form -> what the drafter runs ------------------------------------------
+
+
+def stored_layout(stored: dict) -> str:
+    """'qwen3_next' when the fuse modules are shared (top-level `fc`), else 'deepseek'."""
+    return "qwen3_next" if "fc" in stored else "deepseek"
+
+
+def stored_num_layers(stored: dict) -> int:
+    return len(stored["layers"])
+
+
+def drafter_params(stored: dict, target_params: dict, target_cfg: ModelConfig) -> dict:
+    """The drafter's params from `Target.mtp` (see convert/mtp.py) and the target's embed / lm_head."""
+    shared = {k: v for k, v in stored.items() if k != "layers"}
+    layers = tuple({**shared, **stored["layers"][str(j)]} for j in range(stored_num_layers(stored)))
+    params = {"layers": layers, "embed": target_params["embed"]}
+    if not target_cfg.tie_word_embeddings:
+        params["lm_head"] = target_params["lm_head"]
+    return params
+
+
+# ---- the drafter: chains ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpDrafter:
+    """A target's own MTP layers behind the Drafter protocol (chains; greedy or sampled with q).
+
+    State: (per-layer KV caches whose `lengths` equal the target's, `last_out_BD`): layer 0's
+    pre-norm output at the newest committed row, the row paired with the current root, whose
+    logits are the first draft.
+    """
+
+    cfg: MtpConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    settings: Settings | None = None
+    attn_impl: str = "auto"
+    name: str = "mtp"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return (self.cfg.target.num_layers,)  # the target's pre-norm last hidden
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.target.vocab_size
+
+    def configure(self, settings: Settings) -> "MtpDrafter":
+        require_chain(self.name, settings)
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return self.settings.tree.num_nodes - 1 + self.cfg.num_layers - 1  # K - 1 drafting passes + n update passes
+
+    def _true_rows(self, params, cache: KVCache, ids_BT, h_BTD):
+        """Every MTP layer over rows paired with true target hidden states; returns layer 0's outputs."""
+        ks, vs, outs = list(cache.k), list(cache.v), []
+        for j in range(self.cfg.num_layers):
+            out, ks[j], vs[j] = head_step(self.cfg, params, j, ids_BT, h_BTD, ks[j], vs[j], cache.lengths,
+                                          attn_impl=self.attn_impl)
+            outs.append(out)
+        return outs[0], KVCache(tuple(ks), tuple(vs), cache.lengths)
+
+    def init(self, params, ctx: PrefillContext):
+        b, t = ctx.prompt.shape
+        cache = init_head_cache(self.cfg, b, self.settings.cache_len)
+        rows_BT = jnp.arange(t)[None, :]
+        last_B1 = (ctx.prompt_len - 1)[:, None]
+        next_BT = jnp.concatenate([ctx.prompt[:, 1:], ctx.prompt[:, :1]], axis=1)  # row p -> t_{p+1}
+        next_BT = jnp.where(rows_BT == last_B1, ctx.root[:, None], next_BT)
+        out_BTD, cache = self._true_rows(params, cache, next_BT, ctx.features[0])
+        last_out_BD = jnp.take_along_axis(out_BTD, last_B1[:, :, None], axis=1)[:, 0]
+        return KVCache(cache.k, cache.v, ctx.prompt_len), last_out_BD
+
+    def _choose(self, params, j, keys_B, out_BD):
+        """Next draft from layer j's output, and q over the vocabulary when sampling."""
+        logits_BV = head_logits(self.cfg, params, j, out_BD)
+        if self.settings.sampling.greedy:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
+        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
+
+    def propose(self, params, state, root_B, keys_B):
+        cache, last_out_BD = state
+        n, length_B = self.cfg.num_layers, cache.lengths
+        k = self.settings.tree.num_nodes - 1
+        keys = split_rows(keys_B, k)
+        tok_B, q_BV = self._choose(params, 0, keys[0], last_out_BD)
+        h_BD = feedback(self.cfg, params, 0, last_out_BD)
+        ks, vs, uses = list(cache.k), list(cache.v), [0] * n
+        tokens, qs = [tok_B], [q_BV]
+        for s in range(1, k):
+            j = s % n
+            pos_B1 = (length_B - 1 + s)[:, None]
+            out_B1D, ks[j], vs[j] = head_step(self.cfg, params, j, tok_B[:, None], h_BD[:, None], ks[j], vs[j],
+                                              length_B + uses[j], positions_BT=pos_B1, attn_impl=self.attn_impl)
+            uses[j] += 1
+            tok_B, q_BV = self._choose(params, j, keys[s], out_B1D[:, 0])
+            h_BD = feedback(self.cfg, params, j, out_B1D[:, 0])
+            tokens.append(tok_B)
+            qs.append(q_BV)
+        tokens_BN = jnp.stack([root_B, *tokens], axis=1).astype(jnp.int32)
+        q = None
+        if qs[0] is not None:
+            q = jnp.stack([jnp.zeros_like(qs[0]), *qs], axis=1)
+        b = root_B.shape[0]
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        return draft, (KVCache(tuple(ks), tuple(vs), length_B), last_out_BD)
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        cache, last_out_BD = state
+        h_BND = jnp.take_along_axis(features[0], verdict.path[:, :, None], axis=1)
+        next_BN = accepted_tokens(draft, verdict)  # row i (node path[i]) pairs with the token after it
+        out_BND, cache = self._true_rows(params, cache, next_BN, h_BND)
+        last_B11 = jnp.maximum(verdict.num_accepted - 1, 0)[:, None, None]
+        new_out_BD = jnp.take_along_axis(out_BND, last_B11, axis=1)[:, 0]
+        last_out_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_out_BD, last_out_BD)
+        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_out_BD
+
+
+def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
+    return MtpConfig(layout=stored_layout(stored), num_layers=stored_num_layers(stored), target=target_cfg)
+
+
+def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = None) -> MtpDrafter:
+    """The MtpDrafter of a target loaded with MTP tensors (`Target.mtp`); ValueError when it has none.
+
+    `stored`: MTP layers read from another copy of the same model (cast to the target's dtype).
+    """
+    stored = stored if stored is not None else getattr(target, "mtp", None)
+    if stored is None:
+        where = f" ({target.path})" if getattr(target, "path", None) is not None else ""
+        raise ValueError(f"the target{where} has no MTP layers: its checkpoint carries no multi-token-prediction "
+                         "tensors (model.layers.{num_hidden_layers}.eh_proj... or mtp.fc...), so there is no MTP "
+                         "drafter; use a draft model, an EAGLE-3 head or NgramDrafter instead")
+    from ..convert.mtp import check_stored  # noqa: PLC0415 (convert imports this module)
+
+    check_stored(stored, target.cfg)
+    stored = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.dtype), stored)
+    cfg = mtp_config(target.cfg, stored)
+    return MtpDrafter(cfg, drafter_params(stored, target.params, target.cfg),
+                      attn_impl=attn_impl or target.attn_impl)
