@@ -48,3 +48,18 @@ def test_tree_and_model_free_drafters(target):
     assert ngram.logits is None and len(ngram.tokens) == 3
     with pytest.raises(ValueError, match="not both"):
         specjax.inspect_draft(target, specjax.NgramDrafter(), PROMPT, num_draft_tokens=3, tree="chain:3")
+
+
+def test_feature_heads_record_target_vocabulary_logits(tmp_path):
+    """EAGLE-3 (reduced draft vocabulary: -inf outside it) and MTP give the logits their drafts came from."""
+    from pathlib import Path
+
+    fixtures = Path(__file__).parent / "fixtures"
+    target = specjax.load(save_hf_model(build_hf_model("llama", seed=2, num_hidden_layers=7,
+                                                       tie_word_embeddings=False), tmp_path / "t7"))
+    eagle = specjax.load_drafter(fixtures / "eagle3" / "rope_theta", target)
+    out = specjax.inspect_draft(target, eagle, PROMPT, num_draft_tokens=3)
+    assert out.logits.shape == (3, target.cfg.vocab_size)
+    np.testing.assert_array_equal(out.logits.argmax(-1), out.tokens)
+    in_draft_vocab = np.isfinite(out.logits[0])
+    assert in_draft_vocab.sum() == eagle.cfg.draft_vocab_size

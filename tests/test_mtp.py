@@ -341,3 +341,11 @@ def test_mtp_drafter_of_a_target_without_mtp_is_refused(base_dir):
         mtp_drafter(base)
     with pytest.raises(ValueError, match="has no MTP layers"):
         specjax.load_drafter(base_dir, base, mtp=True)
+
+
+def test_inspect_draft_records_the_logits_each_draft_came_from(targets):
+    for layout, target in targets.items():
+        out = specjax.inspect_draft(target, specjax.load_drafter(target.path, target), [7, 30, 12, 5],
+                                    num_draft_tokens=3)
+        assert out.logits.shape == (3, target.cfg.vocab_size), layout
+        np.testing.assert_array_equal(out.logits.argmax(-1), out.tokens)

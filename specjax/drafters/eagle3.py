@@ -40,7 +40,7 @@ from ..models.decoder import attn_out_and_mlp, causal_mask, project_qkv, rms_nor
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import spec_arrays
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, accepted_tokens, require_chain
+from .base import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +125,25 @@ def init_head_cache(cfg: Eagle3Config, batch: int, max_len: int) -> KVCache:
     return init_cache(cfg.layer_cfg, batch, max_len, per_layer=True)
 
 
+def midlayer_qkv(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array,
+                 positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The head layer up to attention: q, k, v (RoPE applied) from concat(norm(embed(ids)), norm(h)).
+
+    Shared by serving (`midlayer`, over the KV cache) and training (specjax.train.eagle3, over the
+    training-time-test attention), so both run the same input fusion and projections.
+    """
+    p = params["layer"]
+    emb_BTD = params["embed"][ids_BT].astype(h_BTD.dtype)
+    x_BT2D = jnp.concatenate([rms_norm(emb_BTD, p["embed_norm"], cfg.rms_norm_eps),
+                              rms_norm(h_BTD, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    return project_qkv(cfg.layer_cfg, p, x_BT2D, positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+
+
+def midlayer_out(cfg: Eagle3Config, params: dict, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
+    """The head layer after attention: o_proj + residual, then the MLP block; the pre-norm output [B, T, H]."""
+    return attn_out_and_mlp(cfg.layer_cfg, params["layer"], h_BTD, o_BTHD)
+
+
 def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *,
              positions_BT: jax.Array | None = None, mask_BTT: jax.Array | None = None,
              attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
@@ -137,22 +156,17 @@ def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Arra
     Returns the pre-norm hidden states [B, T, H] and the cache.
     """
     b, t = ids_BT.shape
-    lcfg = cfg.layer_cfg
-    p = params["layer"]
     lengths_B = cache.lengths
     if positions_BT is None:
         positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if mask_BTT is None:
         mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    emb_BTD = params["embed"][ids_BT].astype(h_BTD.dtype)
-    x_BT2D = jnp.concatenate([rms_norm(emb_BTD, p["embed_norm"], cfg.rms_norm_eps),
-                              rms_norm(h_BTD, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    q_BTHD, k_BTKD, v_BTKD = project_qkv(lcfg, p, x_BT2D, positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    q_BTHD, k_BTKD, v_BTKD = midlayer_qkv(cfg, params, ids_BT, h_BTD, positions_BT)
     (k_buf,), (v_buf,) = cache.k, cache.v
     k_buf = write_layer(k_buf, None, k_BTKD, lengths_B)
     v_buf = write_layer(v_buf, None, v_BTKD, lengths_B)
     o_BTHD = attention(q_BTHD, k_buf, v_buf, lengths_B, mask_BTT, impl=attn_impl, finite_cache=True)
-    return attn_out_and_mlp(lcfg, p, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
+    return midlayer_out(cfg, params, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
 
 
 def draft_logits(cfg: Eagle3Config, params: dict, h_BTD: jax.Array) -> jax.Array:
@@ -236,36 +250,36 @@ class Eagle3Drafter:
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_h_BD
 
     def _choose(self, params, keys_B, h_BD):
-        """Next draft (a target id) from the head's hidden, and q over the target vocabulary when sampling."""
+        """Next draft (a target id) from the head's hidden; q over the target vocabulary when sampling; and,
+        when recording (inspect_draft), the target-vocabulary logits it was chosen from."""
         logits_BV = draft_logits(self.cfg, params, h_BD[:, None])[:, 0]
+        record = target_logits(self.cfg, params, logits_BV) if self.settings.record_logits else None
         if self.settings.sampling.greedy:
-            return to_target_ids(params, jnp.argmax(logits_BV, axis=-1)), None
+            return to_target_ids(params, jnp.argmax(logits_BV, axis=-1)), None, record
         logp_BV = sampling_logprobs(target_logits(self.cfg, params, logits_BV), self.settings.sampling)
-        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
+        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), record
 
     def propose(self, params, state, root_B, keys_B):
         cache, last_h_BD = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV = self._choose(params, keys[0], last_h_BD)
+        tok_B, q_BV, logits_BV = self._choose(params, keys[0], last_h_BD)
 
         def step(carry, xs):
             kc, vc, tok_B, h_BD = carry
             i, step_keys_B = xs
             h_B1D, c = midlayer(self.cfg, params, tok_B[:, None], h_BD[:, None], KVCache(kc, vc, length_B + i),
                                 attn_impl=self.attn_impl)
-            nxt_B, q_BV = self._choose(params, step_keys_B, h_B1D[:, 0])
-            return (c.k, c.v, nxt_B, h_B1D[:, 0]), (nxt_B, q_BV)
+            nxt_B, q_BV, logits_BV = self._choose(params, step_keys_B, h_B1D[:, 0])
+            return (c.k, c.v, nxt_B, h_B1D[:, 0]), (nxt_B, q_BV, logits_BV)
 
-        (kc, vc, _, _), (rest_KB, rest_q) = lax.scan(step, (cache.k, cache.v, tok_B, last_h_BD),
-                                                     (jnp.arange(k - 1, dtype=jnp.int32), keys[1:]))
+        (kc, vc, _, _), (rest_KB, rest_q, rest_logits) = lax.scan(
+            step, (cache.k, cache.v, tok_B, last_h_BD), (jnp.arange(k - 1, dtype=jnp.int32), keys[1:]))
         tokens_BN = jnp.concatenate([root_B[:, None], tok_B[:, None], rest_KB.T], axis=1)
-        q = None
-        if q_BV is not None:
-            q = jnp.concatenate([jnp.zeros_like(q_BV)[:, None], q_BV[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
         b = root_B.shape[0]
-        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                      chain_nodes(q_BV, rest_q), logits=chain_nodes(logits_BV, rest_logits))
         return draft, (KVCache(kc, vc, length_B), last_h_BD)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):

@@ -243,38 +243,37 @@ class MtpDrafter:
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_out_BD
 
     def _choose(self, params, j, keys_B, out_BD):
-        """Next draft from layer j's output, and q over the vocabulary when sampling."""
+        """Next draft from layer j's output, q over the vocabulary when sampling, and the logits it came from."""
         logits_BV = head_logits(self.cfg, params, j, out_BD)
         if self.settings.sampling.greedy:
-            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None, logits_BV
         logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
-        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
+        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), logits_BV
 
     def propose(self, params, state, root_B, keys_B):
         cache, last_out_BD = state
         n, length_B = self.cfg.num_layers, cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV = self._choose(params, 0, keys[0], last_out_BD)
+        tok_B, q_BV, logits_BV = self._choose(params, 0, keys[0], last_out_BD)
         h_BD = feedback(self.cfg, params, 0, last_out_BD)
         ks, vs, uses = list(cache.k), list(cache.v), [0] * n
-        tokens, qs = [tok_B], [q_BV]
+        tokens, qs, logits = [tok_B], [q_BV], [logits_BV]
         for s in range(1, k):
             j = s % n
             pos_B1 = (length_B - 1 + s)[:, None]
             out_B1D, ks[j], vs[j] = head_step(self.cfg, params, j, tok_B[:, None], h_BD[:, None], ks[j], vs[j],
                                               length_B + uses[j], positions_BT=pos_B1, attn_impl=self.attn_impl)
             uses[j] += 1
-            tok_B, q_BV = self._choose(params, j, keys[s], out_B1D[:, 0])
+            tok_B, q_BV, logits_BV = self._choose(params, j, keys[s], out_B1D[:, 0])
             h_BD = feedback(self.cfg, params, j, out_B1D[:, 0])
             tokens.append(tok_B)
             qs.append(q_BV)
+            logits.append(logits_BV)
         tokens_BN = jnp.stack([root_B, *tokens], axis=1).astype(jnp.int32)
-        q = None
-        if qs[0] is not None:
-            q = jnp.stack([jnp.zeros_like(qs[0]), *qs], axis=1)
         b = root_B.shape[0]
-        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_), q)
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                      per_node(qs), logits=per_node(logits) if self.settings.record_logits else None)
         return draft, (KVCache(tuple(ks), tuple(vs), length_B), last_out_BD)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
@@ -286,6 +285,13 @@ class MtpDrafter:
         new_out_BD = jnp.take_along_axis(out_BND, last_B11, axis=1)[:, 0]
         last_out_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_out_BD, last_out_BD)
         return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_out_BD
+
+
+def per_node(values: list) -> jax.Array | None:
+    """Per-draft values [B, K, ...] stacked after a zero row for the root: [B, N, ...]; None when they are None."""
+    if values[0] is None:
+        return None
+    return jnp.stack([jnp.zeros_like(values[0]), *values], axis=1)
 
 
 def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
