@@ -24,6 +24,16 @@ a directory with
   meta.json                        versions and the case's settings.
 
 This script is for regenerating the committed fixtures; the tests read only its outputs.
+
+Round trip (an exported head, e.g. `specjax export` or checkpoints/tiny/eagle3, in the original):
+
+    python scripts/make_eagle3_fixtures.py --eagle-repo /path/to/EAGLE --round-trip checkpoints/tiny/eagle3 \
+        --target checkpoints/tiny/target
+
+loads DIR's config.json and model.safetensors into the original `cnets.Model` (the target's
+embedding when the head has none), runs a prefill over random features and a second step fed
+its own hidden, and checks specjax's head (read from the same DIR) gives the same draft logits
+(1e-4, fp32). Nothing is written; the exit status says whether they match. CI never runs it.
 """
 
 from __future__ import annotations
@@ -165,6 +175,61 @@ def run_case(torch, cnets, name: str, case: dict, out_dir: Path, eagle_commit: s
     print(f"{name}: tree tokens {draft_tokens.tolist()[0]}")
 
 
+def round_trip(torch, cnets, head_dir: Path, target_dir: Path, batch: int = 2, seq: int = 9, tol: float = 1e-4) -> bool:
+    """The exported head in the original vs in specjax: prefill and second-step draft logits (see the docstring)."""
+    import jax.numpy as jnp
+
+    import specjax
+    from safetensors.torch import load_file
+    from specjax.convert.eagle3 import load_eagle3
+    from specjax.drafters.eagle3 import draft_logits, fuse_features, init_head_cache, midlayer
+    from specjax.cache import KVCache
+
+    target = specjax.load(target_dir, dtype="float32", attn_impl="xla")
+    raw = json.loads((head_dir / "config.json").read_text())
+    cfg = econfig_from_json(cnets.EConfig, raw)
+    model = cnets.Model(cfg, load_emb=False).eval()
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    if "embed_tokens.weight" not in state:
+        state["embed_tokens.weight"] = torch.from_numpy(np.array(target.params["embed"], np.float32))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("inv_freq")]
+    if missing or unexpected:
+        print(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        return False
+
+    gen = torch.Generator().manual_seed(0)
+    width = raw.get("target_hidden_size") or raw["hidden_size"]
+    features = torch.randn(batch, seq, 3 * width, generator=gen)
+    ids = torch.randint(0, raw["vocab_size"], (batch, seq), generator=gen)
+    with torch.no_grad():
+        hidden1, (kv1,) = model(features, input_ids=ids, use_cache=True)
+        logits1 = model.lm_head(model.norm(hidden1))
+        nxt = logits1[:, -1].argmax(-1)
+        ids2 = (nxt + model.d2t[nxt])[:, None]
+        hidden2, _ = model(hidden1[:, -1:], input_ids=ids2, past_key_values=(kv1,), use_cache=True)
+        logits2 = model.lm_head(model.norm(hidden2))
+
+    hcfg, host = load_eagle3(head_dir, target.cfg, "float32")
+    params = {k: v for k, v in host.items()}
+    params = {**params, "embed": jnp.asarray(state["embed_tokens.weight"].numpy())}
+    cache = init_head_cache(hcfg, batch, 128)
+    h1, cache = midlayer(hcfg, params, jnp.asarray(ids.numpy()), fuse_features(params, jnp.asarray(features.numpy())),
+                         cache, attn_impl="xla")
+    cache = KVCache(cache.k, cache.v, cache.lengths + seq)
+    h2, _ = midlayer(hcfg, params, jnp.asarray(ids2.numpy()), h1[:, -1:], cache, attn_impl="xla")
+    ok = True
+    for name, ours, theirs in (("step1", draft_logits(hcfg, params, h1), logits1),
+                               ("step2", draft_logits(hcfg, params, h2), logits2)):
+        diff = float(np.max(np.abs(np.asarray(ours) - theirs.numpy())))
+        scale = float(np.max(np.abs(theirs.numpy())))
+        print(f"{name} draft logits: max |specjax - original| = {diff:.2e} (max |logit| {scale:.2f})")
+        ok &= diff <= tol * max(1.0, scale)
+    print(f"round trip {'OK' if ok else 'MISMATCH'}: {head_dir} (taps {list(hcfg.feature_layers)}, "
+          f"draft vocab {hcfg.draft_vocab_size})")
+    return ok
+
+
 def _version(module: str) -> str:
     import importlib
 
@@ -174,8 +239,15 @@ def _version(module: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eagle-repo", required=True, type=Path, help="local checkout of SafeAILab/EAGLE")
-    ap.add_argument("--out", required=True, type=Path, help="fixture directory, e.g. tests/fixtures/eagle3")
+    ap.add_argument("--out", type=Path, help="fixture directory, e.g. tests/fixtures/eagle3")
+    ap.add_argument("--round-trip", type=Path, metavar="DIR",
+                    help="instead: load the exported head in DIR into the original and compare with specjax")
+    ap.add_argument("--target", type=Path, help="with --round-trip: the head's target (specjax checkpoint or HF dir)")
     args = ap.parse_args(argv)
+    if (args.out is None) == (args.round_trip is None):
+        ap.error("give exactly one of --out and --round-trip")
+    if args.round_trip is not None and args.target is None:
+        ap.error("--round-trip needs --target (the head's feature width, layers and embedding come from it)")
     cnets_file = args.eagle_repo / "eagle" / "model" / "cnets.py"
     if not cnets_file.is_file():
         raise SystemExit(f"{cnets_file} not found: --eagle-repo must be a checkout of SafeAILab/EAGLE")
@@ -191,6 +263,9 @@ def main(argv=None) -> None:
                                 text=True, check=True).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         commit = "unknown"
+    if args.round_trip is not None:
+        ok = round_trip(torch, cnets, args.round_trip, args.target)
+        raise SystemExit(0 if ok else 1)
     for name, case in CASES.items():
         run_case(torch, cnets, name, case, args.out, commit)
 

@@ -49,7 +49,8 @@ def test_checkpoints_are_small_and_clean():
     files = [p for p in TINY.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) < 25e6
     assert not [p for p in TINY.iterdir() if p.name.startswith(".")], "stray temporary directories"
-    assert {p.name for p in TINY.iterdir()} == {"target", "draft", "manifest.json", "eval_slice.json"}
+    heads = set(MANIFEST.get("heads", {}))  # trained drafter heads, each with its manifest entry
+    assert {p.name for p in TINY.iterdir()} == {"target", "draft", "manifest.json", "eval_slice.json"} | heads
 
 
 def test_models_load_with_shared_tokenizer(target, draft):
@@ -115,3 +116,15 @@ def test_speculative_acceptance_matches_record(target):
                            num_draft_tokens=acceptance["num_draft_tokens"])
     tau = out.stats["acceptance_length"]
     assert tau >= 0.9 * acceptance["measured_greedy_tau"], (tau, acceptance["measured_greedy_tau"])
+
+
+@pytest.mark.parametrize("head", sorted(MANIFEST.get("heads", {})))
+def test_shipped_heads_reproduce_their_recorded_acceptance(target, head):
+    """Each trained drafter head loads for the embedded target, equals plain greedy decoding and keeps its tau."""
+    record = MANIFEST["heads"][head]["acceptance"]
+    prompts = [p["text"] for p in MANIFEST["held_out_prompts"]]
+    drafter = specjax.load_drafter(TINY / head, target)
+    kwargs = dict(max_new_tokens=record["max_new_tokens"], eos_token_id=[])
+    out = specjax.generate(target, prompts, drafter=drafter, num_draft_tokens=record["num_draft_tokens"], **kwargs)
+    assert out.tokens == specjax.generate(target, prompts, **kwargs).tokens
+    assert out.stats["acceptance_length"] >= 0.9 * record["measured_greedy_tau"]

@@ -1,0 +1,215 @@
+"""Write specjax models back to the formats the ecosystem loads (`specjax export SRC DST`).
+
+Targets and draft models (a converted specjax checkpoint: orbax params + config.json) become a
+Hugging Face directory: config.json (the original, with `torch_dtype` set to what was written),
+model.safetensors with torch's [out, in] layout and transformers' tensor names, and the
+tokenizer files copied. transformers' `AutoModelForCausalLM.from_pretrained` loads it
+(tests/test_export.py checks the logits). This is the inverse of `convert/hf.py`.
+
+EAGLE-3 heads become the SafeAILab layout (`convert/eagle3.py` reads it back): config.json
+(`LlamaForCausalLMEagle3`, `draft_vocab_size`, the taps as
+`eagle_config.eagle_aux_hidden_state_layer_ids` in "output of layer" numbering, so
+hidden_states i is written as i - 1) and model.safetensors with fc, midlayer.*, norm, lm_head,
+d2t (int64) and t2d (bool). The target's embedding is not written unless asked for (the
+original loads it from the target). The source is an EAGLE-3 training run (see
+`scripts/train_eagle3.py`: its orbax checkpoints and `eagle3_head.json`) or, from Python,
+a config and params.
+
+Every write goes to a temporary sibling directory renamed into place at the end (an existing
+destination is replaced only with overwrite, and survives until the new one is complete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import checkpoint
+from .config import ModelConfig
+from .convert.hf import _LAYER_KEYS as MODEL_LAYER_KEYS
+from .convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
+from .drafters.eagle3 import Eagle3Config
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+EAGLE3_RUN_FILE = "eagle3_head.json"  # in a training run dir: {"config": head config.json, "d2t": [...]}
+
+
+# ---- writing a directory -----------------------------------------------------------------------------------
+
+
+def write_hf_dir(dst: str | Path, config: dict, tensors: dict[str, np.ndarray], *,
+                 extra_files: dict[str, Path] | None = None, overwrite: bool = False) -> Path:
+    """config.json + model.safetensors (+ extra files) at dst, atomically (temp dir + rename)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    dst = Path(dst).absolute()
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; choose a new destination or pass overwrite=True "
+                              "(specjax export --overwrite)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
+        _publishable(tmp)
+        checkpoint._replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _publishable(directory: Path) -> None:
+    """Ordinary permissions under the umask (mkdtemp makes 0700; safetensors may write 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _cast(x, dtype: str) -> np.ndarray:
+    if dtype not in NP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
+    return np.asarray(x).astype(NP_DTYPES[dtype])
+
+
+# ---- targets and draft models -----------------------------------------------------------------------------
+
+
+def model_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """transformers' tensors ([out, in]) of a dense decoder's params (stacked or per-layer)."""
+    layers = params["layers"]
+    per_layer = list(layers) if isinstance(layers, (list, tuple)) else [
+        {k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
+    if len(per_layer) != cfg.num_layers:
+        raise ValueError(f"params have {len(per_layer)} layers but config.json says {cfg.num_layers}")
+    tensors = {"model.embed_tokens.weight": _cast(params["embed"], dtype),
+               "model.norm.weight": _cast(params["final_norm"], dtype)}
+    for i, p in enumerate(per_layer):
+        for key, value in p.items():
+            if key not in MODEL_LAYER_KEYS:
+                raise ValueError(f"layer {i} has a parameter '{key}' with no Hugging Face name")
+            name, transpose = MODEL_LAYER_KEYS[key]
+            tensors[f"model.layers.{i}.{name}"] = _cast(np.asarray(value).T if transpose else value, dtype)
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = _cast(np.asarray(params["lm_head"]).T, dtype)
+    return tensors
+
+
+def export_model(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """A converted specjax checkpoint (target or draft model) -> a Hugging Face model directory."""
+    src = Path(src)
+    params, hf_config, meta = checkpoint.restore(src)
+    dtype = dtype or meta.get("dtype", "float32")
+    cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
+    config = {**hf_config, "torch_dtype": dtype}
+    config.pop("dtype", None)
+    extra = {name: src / name for name in checkpoint.TOKENIZER_FILES if (src / name).is_file()}
+    return write_hf_dir(dst, config, model_tensors(params, cfg, dtype), extra_files=extra, overwrite=overwrite)
+
+
+# ---- EAGLE-3 heads ----------------------------------------------------------------------------------------
+
+
+def eagle3_hf_config(cfg: Eagle3Config, dtype: str | None = None) -> dict[str, Any]:
+    """The SafeAILab config.json of a head: what `convert.eagle3.eagle3_config` reads back to `cfg`."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": dtype or cfg.dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.feature_layers]},
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    rope = cfg.rope
+    if rope.rope_type == "linear":
+        config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": rope.factor}
+    elif rope.rope_type == "default":
+        config["rope_theta"] = rope.theta
+    else:
+        raise ValueError(f"an EAGLE-3 head's RoPE is default or linear; this one is {rope.rope_type!r}")
+    return config
+
+
+def eagle3_tensors(params: dict, vocab_size: int, dtype: str, include_embed: bool = False) -> dict[str, np.ndarray]:
+    """SafeAILab tensors of a head's params ([in, out] -> [out, in]); d2t int64, t2d bool like the original."""
+    tensors = {"fc.weight": _cast(np.asarray(params["fc"]).T, dtype),
+               "norm.weight": _cast(params["final_norm"], dtype),
+               "lm_head.weight": _cast(np.asarray(params["lm_head"]).T, dtype)}
+    for key, name in HEAD_LAYER_KEYS.items():
+        value = np.asarray(params["layer"][key])
+        tensors[f"midlayer.{name}"] = _cast(value if key.endswith("norm") else value.T, dtype)
+    d2t = np.asarray(params["d2t"]).astype(np.int64)
+    target_ids = np.arange(len(d2t)) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= vocab_size:
+        raise ValueError(f"d2t maps draft ids outside the target's vocabulary of {vocab_size} tokens")
+    t2d = np.zeros(vocab_size, bool)
+    t2d[target_ids] = True
+    tensors["d2t"], tensors["t2d"] = d2t, t2d
+    if include_embed:
+        tensors["embed_tokens.weight"] = _cast(params["embed"], dtype)
+    return tensors
+
+
+def export_eagle3(cfg: Eagle3Config, params: dict, dst: str | Path, *, dtype: str | None = None,
+                  include_embed: bool = False, overwrite: bool = False) -> Path:
+    """Write an EAGLE-3 head (config + params with `d2t`) in the SafeAILab format."""
+    dtype = dtype or cfg.dtype
+    return write_hf_dir(dst, eagle3_hf_config(cfg, dtype),
+                        eagle3_tensors(params, cfg.vocab_size, dtype, include_embed), overwrite=overwrite)
+
+
+def is_eagle3_run(path: Path) -> bool:
+    return (Path(path) / EAGLE3_RUN_FILE).is_file()
+
+
+def export_eagle3_run(run_dir: str | Path, dst: str | Path, *, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """The latest checkpoint of an EAGLE-3 training run -> the SafeAILab format."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    run_dir = Path(run_dir).absolute()
+    spec = json.loads((run_dir / EAGLE3_RUN_FILE).read_text())
+    with ocp.CheckpointManager(run_dir / "checkpoints") as mgr:
+        step = mgr.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no checkpoint yet: train first")
+        params = mgr.restore(step, args=ocp.args.StandardRestore())["params"]
+    config = spec["config"]
+    dtype = dtype or config.get("torch_dtype", "float32")
+    params = {**params, "d2t": np.asarray(spec["d2t"], np.int64)}
+    return write_hf_dir(dst, {**config, "torch_dtype": dtype}, eagle3_tensors(params, config["vocab_size"], dtype),
+                        overwrite=overwrite)
+
+
+def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """`specjax export`: a converted target / draft checkpoint, or an EAGLE-3 training run, by what src holds."""
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a directory: pass a converted specjax checkpoint or an EAGLE-3 "
+                                "training run directory")
+    if dtype is not None and dtype not in NP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
+    if checkpoint.is_checkpoint(src):
+        return export_model(src, dst, dtype=dtype, overwrite=overwrite)
+    if is_eagle3_run(src):
+        return export_eagle3_run(src, dst, dtype=dtype, overwrite=overwrite)
+    if (src / "config.json").is_file():
+        raise ValueError(f"{src} is already a Hugging Face / SafeAILab directory (config.json without "
+                         f"{checkpoint.MARKER}); export writes specjax checkpoints and training runs back to that format")
+    raise ValueError(f"{src} is neither a converted specjax checkpoint ({checkpoint.MARKER}) nor an EAGLE-3 training "
+                     f"run ({EAGLE3_RUN_FILE})")

@@ -1,0 +1,153 @@
+"""`specjax export`: specjax models back to Hugging Face, EAGLE-3 heads back to the SafeAILab format.
+
+transformers must load an exported target and give specjax's logits (1e-4); an exported head
+must read back into identical params; writes are atomic and refuse to clobber.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import specjax
+from specjax import export as ex
+from specjax.cache import init_cache
+from specjax.cli import main as cli_main
+from specjax.convert.eagle3 import load_eagle3
+from specjax.models.decoder import forward, has_layer_list, lm_head
+
+from hf_tiny import build_hf_model, save_hf_model
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED = REPO / "checkpoints" / "tiny"
+FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
+
+
+def specjax_logits(target, tokens_BT: np.ndarray) -> np.ndarray:
+    cache = init_cache(target.cfg, tokens_BT.shape[0], 128, per_layer=has_layer_list(target.params))
+    h, _, _ = forward(target.params, target.cfg, jnp.asarray(tokens_BT), cache, attn_impl="xla")
+    return np.asarray(lm_head(target.params, target.cfg, h))
+
+
+def transformers_logits(path: Path, tokens_BT: np.ndarray) -> np.ndarray:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens_BT, dtype=torch.long)).logits.numpy()
+
+
+def test_embedded_target_runs_in_transformers(tmp_path):
+    target = specjax.load(EMBEDDED / "target")
+    dst = ex.export(EMBEDDED / "target", tmp_path / "target-hf")
+    assert (dst / "tokenizer.json").read_bytes() == (EMBEDDED / "target" / "tokenizer.json").read_bytes()
+    config = json.loads((dst / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
+    tokens = np.asarray([target.encode("def quicksort(xs):\n    return sorted(xs)")], np.int32)
+    np.testing.assert_allclose(transformers_logits(dst, tokens), specjax_logits(target, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_converted_qwen3_round_trips_exactly(tmp_path):
+    """HF -> specjax convert -> export: the same tensors, and transformers' logits equal specjax's."""
+    model = build_hf_model("qwen3", seed=3)
+    src = save_hf_model(model, tmp_path / "hf")
+    specjax.convert(src, tmp_path / "sj")
+    dst = ex.export(tmp_path / "sj", tmp_path / "back")
+    original, exported = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 11)).astype(np.int32)
+    got = transformers_logits(dst, tokens)
+    np.testing.assert_allclose(got, specjax_logits(specjax.load(tmp_path / "sj"), tokens), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy(), atol=1e-4)
+
+
+def test_bf16_export_casts(tmp_path):
+    dst = ex.export(EMBEDDED / "draft", tmp_path / "draft-bf16", dtype="bfloat16")
+    tensors = load_file(dst / "model.safetensors")
+    assert {str(v.dtype) for v in tensors.values()} == {"bfloat16"}
+    assert json.loads((dst / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("case", ["rope_theta", "rope_default"])
+def test_eagle3_head_reads_back_identically(case, tmp_path):
+    target_cfg = specjax.load(EMBEDDED / "target").cfg  # a stand-in with the fixtures' width, vocab and 7 layers
+    hf = json.loads((FIXTURES / case / "config.json").read_text())
+    stub = dataclasses.replace(target_cfg, hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"], num_layers=7)
+    cfg, params = load_eagle3(FIXTURES / case, stub)
+    dst = ex.export_eagle3(cfg, params, tmp_path / "head", include_embed="embed" in params)
+    cfg2, params2 = load_eagle3(dst, stub)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+    original, exported = load_file(FIXTURES / case / "model.safetensors"), load_file(dst / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_eagle3_training_run_exports_through_the_cli(tmp_path):
+    """A run dir (orbax checkpoints + eagle3_head.json) -> SafeAILab dir that load_eagle3 reads back."""
+    import orbax.checkpoint as ocp
+
+    from specjax.config import ModelConfig
+    from specjax.train import eagle3 as ttt
+    from specjax.train import trainer
+
+    tcfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    cfg = ttt.head_config(tcfg, (1, 2, 3), draft_vocab_size=100, intermediate_size=96)
+    d2t, _ = ttt.draft_vocab_from_counts(np.arange(256), 100)
+    trainable = trainer.host(ttt.init_head(cfg, jax.random.key(0)))
+    run = tmp_path / "run"
+    tc = trainer.TrainConfig(steps=1)
+    state = trainer.init_state(trainable, trainer.make_optimizer(tc))
+    with trainer.checkpoint_manager(run, tc) as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(state))
+    (run / ex.EAGLE3_RUN_FILE).write_text(json.dumps({"config": ex.eagle3_hf_config(cfg), "d2t": d2t.tolist()}))
+
+    assert cli_main(["export", str(run), str(tmp_path / "head")]) == 0
+    cfg2, params2 = load_eagle3(tmp_path / "head", tcfg)
+    assert cfg2 == cfg and cfg2.feature_layers == (1, 2, 3)
+    np.testing.assert_array_equal(params2["d2t"], d2t)
+    jax.tree.map(np.testing.assert_array_equal, trainable, {k: v for k, v in params2.items() if k != "d2t"})
+
+
+def test_refuses_to_clobber_and_bad_sources(tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        ex.export(EMBEDDED / "draft", dst)
+    assert cli_main(["export", str(EMBEDDED / "draft"), str(dst)]) == 2
+    with pytest.raises(ValueError, match="neither"):
+        ex.export(tmp_path, tmp_path / "x")
+    with pytest.raises(ValueError, match="already a Hugging Face"):
+        ex.export(FIXTURES / "rope_theta", tmp_path / "x")
+    with pytest.raises(FileNotFoundError):
+        ex.export(tmp_path / "missing", tmp_path / "x")
+    assert "error" in capsys.readouterr().err
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    dst = ex.export(EMBEDDED / "draft", tmp_path / "draft-hf")
+    before = (dst / "model.safetensors").read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ex.export(EMBEDDED / "draft", dst, overwrite=True)
+    with pytest.raises(OSError):
+        ex.export(EMBEDDED / "draft", tmp_path / "new")
+    assert (dst / "model.safetensors").read_bytes() == before  # the old export survives
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft-hf"]  # no temp dirs, nothing at "new"
