@@ -1,4 +1,4 @@
-"""Eagle3Drafter: lossless chains on a tiny random target, and the head's cache bookkeeping.
+"""Eagle3Drafter: lossless chains on a tiny random target, and the head's cache bookkeeping (trees: test_eagle3_tree.py).
 
 The target is a 7-layer random Llama (the smallest depth whose default taps 2, L//2, L-3 are
 distinct); the heads are the parity fixtures of test_eagle3.py, read with the checkpoint reader.
@@ -77,12 +77,6 @@ def test_sampled_speculation_runs_and_is_seeded(target, prompts):
     kw = dict(max_new_tokens=12, eos_token_id=[], drafter=drafter, num_draft_tokens=3, temperature=0.8, seed=3)
     a, b = specjax.generate(target, prompts, **kw), specjax.generate(target, prompts, **kw)
     assert a.tokens == b.tokens and all(len(t) == 12 for t in a.tokens)
-
-
-def test_trees_are_refused(target, prompts):
-    drafter = eagle3_drafter(FIXTURES / "rope_theta", target)
-    with pytest.raises(ValueError, match="chains only"):
-        specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter, tree="kary:2,2")
 
 
 def test_update_leaves_the_head_as_a_prefill_of_the_accepted_sequence_would(target):

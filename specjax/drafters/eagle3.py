@@ -30,17 +30,19 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from specjax.kernels import attention
 
 from ..cache import KVCache, init_cache, write_layer
 from ..config import ModelConfig, RopeConfig
+from ..dynamic_tree import build_tree
 from ..models.decoder import attn_out_and_mlp, causal_mask, project_qkv, rms_norm, rope_inv_freq
 from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import spec_arrays
+from ..tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
+from .base import PrefillContext, Settings, accepted_tokens, chain_nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +171,33 @@ def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Arra
     return midlayer_out(cfg, params, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
 
 
+def midlayer_window(cfg: Eagle3Config, params: dict, ids_BK: jax.Array, h_BKD: jax.Array, cache: KVCache,
+                    positions_BK: jax.Array, slot, mask_BKR: jax.Array, *,
+                    attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+    """The head's layer over K tree nodes placed in a window of R slots after each row's prefix.
+
+    Row b's prefix is `cache.lengths[b]` positions, visible to every node. The K nodes are written
+    at slots `slot .. slot + K - 1` (cache positions `lengths + slot + k`), and node k attends to the
+    prefix and the window slots `mask_BKR[:, k]` marks (its ancestors among the nodes already run,
+    and itself). Slots the mask does not mark are never read, so whatever an earlier round left
+    there is harmless. Attention runs over the whole window (the K queries at their slots), so
+    the one attention function serves unchanged (as `draft_model.forward_frontier` does).
+    Returns the pre-norm hidden states [B, K, H] and the cache (lengths unchanged).
+    """
+    b, k = ids_BK.shape
+    r = mask_BKR.shape[-1]
+    base_B = cache.lengths
+    q_BKHD, k_BKGD, v_BKGD = midlayer_qkv(cfg, params, ids_BK, h_BKD, positions_BK)
+    (k_buf,), (v_buf,) = cache.k, cache.v
+    k_buf = write_layer(k_buf, None, k_BKGD, base_B + slot)
+    v_buf = write_layer(v_buf, None, v_BKGD, base_B + slot)
+    mask_BRR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), mask_BKR, (0, slot, 0))
+    q_BRHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD, (0, slot, 0, 0))
+    o_BRHD = attention(q_BRHD, k_buf, v_buf, base_B, mask_BRR, impl=attn_impl, finite_cache=True)
+    o_BKHD = lax.dynamic_slice_in_dim(o_BRHD, slot, k, axis=1)
+    return midlayer_out(cfg, params, h_BKD, o_BKHD), KVCache((k_buf,), (v_buf,), base_B)
+
+
 def draft_logits(cfg: Eagle3Config, params: dict, h_BTD: jax.Array) -> jax.Array:
     """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
     x_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
@@ -190,12 +219,12 @@ def target_logits(cfg: Eagle3Config, params: dict, draft_logits_XV: jax.Array) -
     return full.at[..., ids_V].set(draft_logits_XV)
 
 
-# ---- the drafter: chains ---------------------------------------------------------------------------------
+# ---- the drafter: chains and trees -------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
-    """EAGLE-3 chains behind the Drafter protocol.
+    """EAGLE-3 chains, static trees and EAGLE-2 dynamic trees behind the Drafter protocol.
 
     State: the head's KV cache, whose `lengths` equal the target's (head row p holds the true
     features of target position p paired with the token at p + 1), and `last_h_BD`, the head's
@@ -204,11 +233,22 @@ class Eagle3Drafter:
 
     init    runs the head over the prompt: rows g_0..g_{P-1} (fc of the three taps) with tokens
             t_1..t_{P-1}, root; positions 0..P-1.
-    propose turns last_h into draft 1, then feeds its own hidden back with each draft token
-            (K - 1 head passes at positions P, P + 1, ...; their K/V are provisional).
+    propose chain: turns last_h into draft 1, then feeds its own hidden back with each draft token
+            (K - 1 head passes at positions P, P + 1, ...; their K/V are provisional); sampled
+            with q when sampling.
+            static tree (TreeSpec): node i takes its parent's rank_i-th best draft-vocabulary token;
+            one head pass per depth level d < max depth runs that level's nodes at position
+            P + d - 1, each fed its parent's own pre-norm output (the root's is last_h), with
+            tree attention over the committed prefix and the node's already-run ancestors.
+            dynamic tree (DynamicTreeSpec): EAGLE-2's selection (`dynamic_tree.build_tree`),
+            cumulative log-softmax over the draft vocabulary, the frontier run the same way.
+            Trees are drafted greedily (deterministic top-k, q None) under any sampling.
+            Provisional K/V of tree nodes sit after the committed prefix (window slot j at P + j),
+            and a node reads only the prefix and slots written earlier in the same round.
     update  recomputes the accepted path from the target's true features at the verified nodes,
-            paired with the next accepted token (the bonus for the last), overwriting the
-            provisional K/V, and advances lengths by the number accepted.
+            paired with the next accepted token (the bonus for the last), writing rows P .. P+N-1
+            (over every provisional slot, chain or tree) before lengths advance by the number
+            accepted; rows past the new length are never read.
     params: see the module docstring; `embed` must be present (the target's table, see `eagle3_drafter`).
     """
 
@@ -227,11 +267,19 @@ class Eagle3Drafter:
         return self.cfg.vocab_size
 
     def configure(self, settings: Settings) -> "Eagle3Drafter":
-        require_chain(self.name, settings)
+        tree = settings.tree
+        if isinstance(tree, TreeSpec) and not tree.is_chain and max(child_ranks(tree)) + 1 > self.cfg.draft_vocab_size:
+            raise ValueError(f"tree {tree.parents} gives a node {max(child_ranks(tree)) + 1} children, more than "
+                             f"the {self.name} head's draft vocabulary ({self.cfg.draft_vocab_size} tokens)")
+        if isinstance(tree, DynamicTreeSpec) and tree.top_k > self.cfg.draft_vocab_size:
+            raise ValueError(f"dynamic tree top_k={tree.top_k} is larger than the {self.name} head's draft "
+                             f"vocabulary ({self.cfg.draft_vocab_size} tokens)")
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
-        return self.settings.tree.num_nodes - 1  # K - 1 drafting passes + the update pass
+        # Chain: K - 1 drafting passes; static tree: one per level below the deepest; dynamic: one per
+        # expansion step. Each plus the update pass: the tree's max depth in every case.
+        return self.settings.tree.max_depth
 
     def _rows(self, params, ids_BT, features, cache, positions_BT=None):
         """Head pass from target features: fc, then the layer; cache lengths unchanged."""
@@ -260,6 +308,14 @@ class Eagle3Drafter:
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), record
 
     def propose(self, params, state, root_B, keys_B):
+        tree = self.settings.tree
+        if isinstance(tree, DynamicTreeSpec):
+            return self._propose_dynamic(params, state, root_B)
+        if not tree.is_chain:
+            return self._propose_tree(params, state, root_B)
+        return self._propose_chain(params, state, root_B, keys_B)
+
+    def _propose_chain(self, params, state, root_B, keys_B):
         cache, last_h_BD = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
@@ -280,6 +336,95 @@ class Eagle3Drafter:
         b = root_B.shape[0]
         draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
                       chain_nodes(q_BV, rest_q), logits=chain_nodes(logits_BV, rest_logits))
+        return draft, (KVCache(kc, vc, length_B), last_h_BD)
+
+    def _propose_tree(self, params, state, root_B):
+        """Static tree, greedy: level by level, each level's nodes run once (see the class docstring).
+
+        Window slots: the nodes of levels 1 .. max_depth - 1 (the ones that are run) in level order,
+        so each level is a contiguous run of slots; the deepest level is never run.
+        """
+        cache, last_h_BD = state
+        tree = self.settings.tree
+        b, n, dmax = root_B.shape[0], tree.num_nodes, tree.max_depth
+        parents, depth, ranks = tree.parents, tree.depths, child_ranks(tree)
+        width = max(ranks) + 1
+        levels = [[i for i in range(n) if depth[i] == d] for d in range(dmax + 1)]
+        at = {i: j for level in levels for j, i in enumerate(level)}  # a node's index within its level
+        run = [i for d in range(1, dmax) for i in levels[d]]
+        slot = {i: j for j, i in enumerate(run)}
+        anc_RR = np.zeros((max(len(run), 1),) * 2, bool)  # slot i sees slot j: j is i or an ancestor of i
+        for i in run:
+            j = i
+            while j > 0:
+                anc_RR[slot[i], slot[j]] = True
+                j = parents[j]
+        record = self.settings.record_logits
+        length_B = cache.lengths
+        h_BKD = last_h_BD[:, None]  # the previous level's pre-norm outputs (level 0: the root's)
+        logits_BKV = draft_logits(self.cfg, params, h_BKD)
+        tokens = {0: root_B.astype(jnp.int32)}
+        node_logits = {}
+        for d in range(1, dmax + 1):
+            par = np.asarray([at[parents[i]] for i in levels[d]])
+            rk = np.asarray([ranks[i] for i in levels[d]])
+            top_BKW = lax.top_k(logits_BKV, width)[1]
+            tok_BM = to_target_ids(params, top_BKW[:, par, rk])
+            for j, i in enumerate(levels[d]):
+                tokens[i] = tok_BM[:, j]
+                if record:
+                    node_logits[i] = logits_BKV[:, par[j]]
+            if d == dmax:
+                break
+            m = len(levels[d])
+            positions_BM = jnp.broadcast_to((length_B + d - 1)[:, None], (b, m))
+            mask_BMR = jnp.broadcast_to(jnp.asarray(anc_RR[[slot[i] for i in levels[d]]]), (b, m, anc_RR.shape[1]))
+            h_BKD, cache = midlayer_window(self.cfg, params, tok_BM, h_BKD[:, par], cache, positions_BM,
+                                           slot[levels[d][0]], mask_BMR, attn_impl=self.attn_impl)
+            logits_BKV = draft_logits(self.cfg, params, h_BKD)
+        tokens_BN = jnp.stack([tokens[i] for i in range(n)], axis=1)
+        logits = None
+        if record:
+            zeros_BV = jnp.zeros_like(node_logits[1])
+            logits = target_logits(self.cfg, params, jnp.stack([zeros_BV] + [node_logits[i] for i in range(1, n)], 1))
+        draft = Draft(tokens_BN, spec_arrays(tree, b), jnp.ones((b, n), jnp.bool_), logits=logits)
+        return draft, (KVCache(cache.k, cache.v, length_B), last_h_BD)
+
+    def _propose_dynamic(self, params, state, root_B):
+        """EAGLE-2 dynamic tree, greedy (q None). Expansion step s runs its top_k frontier nodes at
+        position P + s, window slots s*top_k + f (`Frontier.slot`), each fed its parent's pre-norm
+        output (step 0: last_h) and attending to the prefix and `Frontier.ancestors`."""
+        cache, last_h_BD = state
+        spec = self.settings.tree
+        b, k = root_B.shape[0], spec.top_k
+        length_B = cache.lengths
+        record = self.settings.record_logits
+        root_logits_BV = draft_logits(self.cfg, params, last_h_BD[:, None])[:, 0]
+        rec = jnp.zeros((b, spec.num_expanded, self.cfg.draft_vocab_size), jnp.float32) if record else None
+
+        def step(frontier, carry):
+            kc, vc, h_prev_BKD, rec = carry
+            h_in_BKD = jnp.take_along_axis(h_prev_BKD, frontier.parent[:, :, None], axis=1)
+            positions_BK = jnp.broadcast_to((length_B + frontier.step)[:, None], (b, k))
+            h_BKD, c = midlayer_window(self.cfg, params, frontier.tokens, h_in_BKD, KVCache(kc, vc, length_B),
+                                       positions_BK, frontier.slot, frontier.ancestors, attn_impl=self.attn_impl)
+            logits_BKV = draft_logits(self.cfg, params, h_BKD)
+            if record:
+                rec = lax.dynamic_update_slice(rec, logits_BKV, (0, frontier.slot, 0))
+            return jax.nn.log_softmax(logits_BKV, axis=-1), (c.k, c.v, h_BKD, rec)
+
+        h0_BKD = jnp.broadcast_to(last_h_BD[:, None], (b, k, last_h_BD.shape[-1]))
+        tree, (kc, vc, _, rec) = build_tree(spec, root_B, jax.nn.log_softmax(root_logits_BV, axis=-1), step,
+                                            (cache.k, cache.v, h0_BKD, rec),
+                                            to_token=lambda i: to_target_ids(params, i))
+        logits = None
+        if record:  # each node's logits are its parent's: the root's, or those of the slot the parent ran in
+            pslot_BN = jnp.take_along_axis(tree.expanded_slot, jnp.maximum(tree.parents, 0), axis=1)
+            from_slot_BNV = jnp.take_along_axis(rec, jnp.maximum(pslot_BN, 0)[:, :, None], axis=1)
+            node_BNV = jnp.where((pslot_BN < 0)[:, :, None], root_logits_BV[:, None], from_slot_BNV)
+            node_BNV = node_BNV.at[:, 0].set(0.0)
+            logits = target_logits(self.cfg, params, node_BNV)
+        draft = Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_), logits=logits)
         return draft, (KVCache(kc, vc, length_B), last_h_BD)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
