@@ -89,3 +89,27 @@ def test_sampled_output_has_the_target_distribution(pair, name, tree, sampling):
     assert not ok_draft and stat_draft > 3 * threshold
     if drafter is not None:  # the draft really was different and really was used
         assert out.stats["acceptance_length"] > 1.0
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(pair):
+    """A random EAGLE-3 head on the 2-layer target: taps 0, 1, 2 and a reduced draft vocabulary of 5 of the 6 ids."""
+    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_params as eagle_init
+
+    target, _ = pair
+    cfg = Eagle3Config(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=VOCAB,
+                       draft_vocab_size=VOCAB - 1, target_hidden_size=32, feature_layers=(0, 1, 2))
+    return Eagle3Drafter(cfg, eagle_init(cfg, jax.random.key(3), target.params["embed"]), attn_impl="xla")
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2", "dynamic:top_k=2,depth=1,total_tokens=4"])
+def test_sampled_eagle3_output_has_the_target_distribution(pair, eagle3_head, tree):
+    """EAGLE-3 chains are sampled with q over the target vocabulary (0 outside the draft vocabulary); trees are
+    deterministic top-k drafts (q one-hot). Either way the output must be the target's distribution."""
+    target, _ = pair
+    sampling = SamplingConfig(1.0)
+    out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=13,
+                           drafter=eagle3_head, tree=tree, eos_token_id=[])
+    ok, stat, threshold = chi_square_passes(np.array(out.tokens), exact_distribution(target, sampling))
+    assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}: sampled output is not the target's distribution"
+    assert out.stats["acceptance_length"] > 1.0
