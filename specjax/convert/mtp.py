@@ -197,3 +197,84 @@ def check_stored(stored: dict, cfg: ModelConfig) -> None:
 def _shown(names: list[str]) -> str:
     shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+# ---- MTP-only directories: a head trained (or kept) apart from its target ----------------------------------
+#
+# config.json is the target's, plus the layer count and MTP_ONLY_KEY: {"target": a path to the
+# target it was trained for (informative; relative to the directory), "layout": ...};
+# model.safetensors holds only the MTP tensors under the names they would have inside the
+# target's checkpoint (DeepSeek-V3: model.layers.{L + j}.*; Qwen3-Next: mtp.*). Appending them to
+# the target's safetensors (and the layer count to its config.json) gives a target carrying MTP
+# layers that `specjax.convert` / `specjax.load` read. The embedding and lm_head are the target's.
+
+MTP_ONLY_KEY = "specjax_mtp_only"
+_SAME_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "head_dim", "family", "qkv_bias", "qk_norm", "tie_word_embeddings", "rope", "rms_norm_eps")
+
+
+def mtp_hf_tensors(stored: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The checkpoint tensors (torch [out, in]) of stored MTP params: the inverse of `read_mtp`."""
+    keys, out = _layer_keys(), {}
+
+    def put_block(prefix: str, block: dict) -> None:
+        for k, v in block.items():
+            name, transpose = keys[k]
+            out[prefix + name] = np.asarray(v).T if transpose else np.asarray(v)
+
+    def put_fuse(names: dict[str, str], fs: dict) -> None:
+        for k in fuse_shapes(cfg):
+            out[names[k]] = np.asarray(fs[k]).T if k == "fc" else np.asarray(fs[k])
+
+    if "fc" in stored:  # qwen3_next: shared fuse modules
+        put_fuse(_layout_names("mtp.", "qwen3_next"), stored)
+        for j, layer in stored["layers"].items():
+            put_block(f"mtp.layers.{j}.", layer["block"])
+        return out
+    for j, layer in stored["layers"].items():
+        prefix = f"model.layers.{cfg.num_layers + int(j)}."
+        put_fuse(_layout_names(prefix, "deepseek"), layer)
+        put_block(prefix, layer["block"])
+        if "lm_head" in layer:
+            out[prefix + "shared_head.head.weight"] = np.asarray(layer["lm_head"]).T
+        if "embed" in layer:
+            out[prefix + "embed_tokens.weight"] = np.asarray(layer["embed"])
+    return out
+
+
+def mtp_only_config(target_hf: dict, stored: dict, target_ref: str, dtype: str) -> dict:
+    """config.json of an MTP-only directory (see above) for a target whose config.json is target_hf."""
+    qwen = "fc" in stored
+    config = {k: v for k, v in target_hf.items() if k != "dtype"}
+    config["mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers"] = len(stored["layers"])
+    config["torch_dtype"] = dtype
+    config[MTP_ONLY_KEY] = {"target": target_ref, "layout": "qwen3_next" if qwen else "deepseek",
+                            "note": "MTP tensors only (the names they have inside the target's checkpoint); the "
+                                    "embedding and lm_head are the target's: specjax.load_drafter(this dir, target)"}
+    return config
+
+
+def is_mtp_only(hf: dict) -> bool:
+    return isinstance(hf.get(MTP_ONLY_KEY), dict)
+
+
+def read_mtp_only_dir(path, cfg: ModelConfig) -> dict:
+    """The stored MTP params of an MTP-only directory, checked against the target's config `cfg`.
+
+    ValueError naming both sides when the directory was made for a target of another shape.
+    """
+    from pathlib import Path  # noqa: PLC0415
+
+    from .hf import read_hf_config, read_tensors, safetensors_files  # noqa: PLC0415
+
+    path = Path(path)
+    hf = read_hf_config(path)
+    mine = ModelConfig.from_hf(hf)
+    differ = [f"{k} {getattr(mine, k)!r} vs the target's {getattr(cfg, k)!r}" for k in _SAME_SHAPE
+              if getattr(mine, k) != getattr(cfg, k)]
+    if differ:
+        ref = hf[MTP_ONLY_KEY].get("target")
+        raise ValueError(f"the MTP head in {path} was made for another target (trained for {ref!r}): "
+                         + "; ".join(differ))
+    tensors = read_tensors(safetensors_files(path))
+    return read_mtp(tensors, sorted(tensors), cfg, hf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..convert.mtp import is_mtp_only, read_mtp_only_dir
 from .base import Drafter, PrefillContext, Settings
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter, eagle3_drafter
@@ -17,10 +18,11 @@ __all__ = ["Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter", "Ngram
 
 
 def drafter_family(path: str | Path) -> str:
-    """'eagle3' or 'draft_model', from the directory's config.json.
+    """'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
 
     EAGLE-3 heads say so by an `eagle_config`, an architecture named *Eagle3 (SpecForge) or a
     `draft_vocab_size` (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer).
+    An MTP-only directory (MTP tensors without their target, convert/mtp.py) by `specjax_mtp_only`.
     """
     config = Path(path) / "config.json"
     if not config.is_file():
@@ -29,6 +31,8 @@ def drafter_family(path: str | Path) -> str:
     archs = hf.get("architectures") or []
     if "eagle_config" in hf or "draft_vocab_size" in hf or any("eagle3" in a.lower() for a in archs):
         return "eagle3"
+    if is_mtp_only(hf):
+        return "mtp"
     return "draft_model"
 
 
@@ -40,13 +44,20 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     - The target's own directory, when its checkpoint carries MTP layers (or `mtp=True`), gives
       the target's `MtpDrafter`; so does another directory of the same model (same config.json
       shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
+    - An MTP-only directory (only MTP tensors + the target's config.json, `specjax_mtp_only`; what
+      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`.
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
     """
     from ..target import load
 
-    if drafter_family(path) == "eagle3":
+    family = drafter_family(path)
+    if family == "eagle3":
         return eagle3_drafter(path, target, attn_impl=attn_impl)
+    if family == "mtp":
+        if mtp is False:
+            raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
+        return mtp_drafter(target, attn_impl=attn_impl, stored=read_mtp_only_dir(path, target.cfg))
     own = getattr(target, "mtp", None) is not None
     if mtp or (mtp is None and own and _same_dir(path, getattr(target, "path", None))):
         if own or _same_dir(path, getattr(target, "path", None)):
