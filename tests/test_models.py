@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +113,27 @@ def test_param_and_cache_layouts_agree(family_pair):
         np.testing.assert_allclose(h, results[0][0], atol=1e-5, rtol=0)
         np.testing.assert_allclose(k, results[0][1], atol=1e-5, rtol=0)
         np.testing.assert_array_equal(lengths, results[0][2])
+
+
+def test_captures_are_written_by_index_in_every_layout(family_pair):
+    """Every layout returns the same captures (duplicates and the pre-norm output included), and under scan
+    the capture buffer is updated by one indexed write per layer, not a select over the whole buffer."""
+    from specjax.models.decoder import stacked_layers
+
+    _, _, target = family_pair
+    cfg = target.cfg
+    stacked = {**target.params, "layers": stacked_layers(target.params)}
+    tokens = jnp.asarray(np.random.default_rng(5).integers(3, cfg.vocab_size, size=(2, 7)), jnp.int32)
+    capture = (cfg.num_layers, 1, 1, 0)
+    runs = [forward(params, cfg, tokens, init_cache(cfg, 2, 16, per_layer=per_layer), capture=capture,
+                    attn_impl="xla")[1] for params, per_layer in ((stacked, False), (target.params, True))]
+    for got in runs[1:]:
+        for a, b in zip(got, runs[0]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(runs[0][1]), np.asarray(runs[0][2]))
+
+    text = str(jax.make_jaxpr(lambda p: forward(p, cfg, tokens, init_cache(cfg, 2, 16), capture=capture,
+                                                attn_impl="xla")[1])(stacked))
+    buffer = re.compile(rf"\[\d+,2,7,{cfg.hidden_size}\]")  # a [captures, B, T, D] array
+    assert "scatter" in text
+    assert [line for line in text.splitlines() if "select_n" in line and buffer.search(line.replace(" ", ""))] == []

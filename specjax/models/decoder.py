@@ -137,14 +137,20 @@ def forward(
         mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     h_BTD = params["embed"][tokens_BT]
-    captured_CBTD = jnp.zeros((len(capture), b, t, cfg.hidden_size), h_BTD.dtype)
-    capture_ids = jnp.asarray(capture, jnp.int32)
+    # One buffer slot per distinct captured layer, written by index as the layers run (in place in
+    # the carry); a layer that is not captured maps to slot U, which mode="drop" discards.
+    unique = sorted(set(capture))
+    captured_UBTD = jnp.zeros((len(unique), b, t, cfg.hidden_size), h_BTD.dtype)
+    slot_of_layer = jnp.asarray([unique.index(i) if i in unique else len(unique) for i in range(cfg.num_layers + 1)],
+                                jnp.int32)
 
     def keep(captured, layer, h):
-        """Record h as the hidden state entering `layer` if it was asked for."""
+        """Record h as the hidden state entering `layer` (static int or traced) if it was asked for."""
         if not capture:
             return captured
-        return jnp.where((capture_ids == layer)[:, None, None, None], h[None], captured)
+        if isinstance(layer, int):
+            return captured.at[unique.index(layer)].set(h) if layer in unique else captured
+        return captured.at[slot_of_layer[layer]].set(h, mode="drop")
 
     def body(carry, xs):
         h, k_cache, v_cache, captured = carry
@@ -159,22 +165,21 @@ def forward(
             raise ValueError("a per-layer KV cache needs per-layer params (models.decoder.unstack_layers)")
         k, v = list(cache.k), list(cache.v)
         for i, p in enumerate(params["layers"]):
-            captured_CBTD = keep(captured_CBTD, i, h_BTD)
+            captured_UBTD = keep(captured_UBTD, i, h_BTD)
             h_BTD, k[i], v[i] = _layer(cfg, p, None, h_BTD, k[i], v[i], lengths_B, positions_BT, mask_BTT,
                                        inv_freq, attn_impl)
         k, v = tuple(k), tuple(v)
     else:
-        carry = (h_BTD, cache.k, cache.v, captured_CBTD)
+        carry = (h_BTD, cache.k, cache.v, captured_UBTD)
         if has_layer_list(params):  # per-layer arrays, stacked cache: unrolled
             for i, p in enumerate(params["layers"]):
                 carry, _ = body(carry, (p, jnp.int32(i)))
         else:
             carry, _ = lax.scan(body, carry, (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-        h_BTD, k, v, captured_CBTD = carry
-    if capture:
-        captured_CBTD = jnp.where((capture_ids == cfg.num_layers)[:, None, None, None], h_BTD[None], captured_CBTD)
+        h_BTD, k, v, captured_UBTD = carry
+    captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
     out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return out_BTD, tuple(captured_CBTD), KVCache(k, v, lengths_B)
+    return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
 
 
 def unstack_layers(params: dict) -> dict:
