@@ -22,7 +22,7 @@ def _convert(args) -> int:
 def _export(args) -> int:
     from .export import export
 
-    dst = export(args.src, args.dst, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+    dst = export(args.src, args.dst, dtype=DTYPES[args.dtype], overwrite=args.overwrite, target=args.target)
     print(f"wrote {dst}")
     return 0
 
@@ -66,10 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_convert)
 
-    p = sub.add_parser("export", help="specjax checkpoint or EAGLE-3 training run -> Hugging Face / SafeAILab dir")
+    p = sub.add_parser("export", help="specjax checkpoint (with its MTP layers), MTP-only dir + --target, or "
+                                      "EAGLE-3 training run -> Hugging Face / SafeAILab dir")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: the source's")
+    p.add_argument("--target", default=None,
+                   help="for an MTP-only src: the target it was made for (written together, MTP layers included)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_export)
 

@@ -42,6 +42,19 @@ def highlighted(target: Target, out: GenerateOutput, row: int) -> Text:
     return text
 
 
+def trained_heads(root: Path, target: Target, num_draft_tokens: int) -> dict[str, dict]:
+    """Rows for the drafter heads trained for this target that sit beside it (checkpoints/tiny/eagle3, mtp)."""
+    methods = {}
+    if (root / "eagle3").is_dir():
+        eagle = load_drafter(root / "eagle3", target)
+        methods[f"EAGLE-3, chain of {num_draft_tokens}"] = dict(drafter=eagle, num_draft_tokens=num_draft_tokens)
+        methods["EAGLE-3, dynamic tree top_k=3,depth=3,16 nodes"] = dict(
+            drafter=eagle, tree="dynamic:top_k=3,depth=3,total_tokens=16")
+    if (root / "mtp").is_dir():
+        methods["MTP, chain of 3"] = dict(drafter=load_drafter(root / "mtp", target), num_draft_tokens=3)
+    return methods
+
+
 def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED / "draft", max_new_tokens: int = 48,
              num_draft_tokens: int = 4, console: Console | None = None, dtype: str | None = None) -> list[dict]:
     """Run the demo and return its table rows; dtype overrides the target's stored dtype (e.g. "bfloat16")."""
@@ -55,6 +68,7 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
         "draft model, tree kary:3,2,1": dict(drafter=draft, tree="kary:3,2,1"),
         f"n-gram, chain of {num_draft_tokens}": dict(drafter=NgramDrafter(), num_draft_tokens=num_draft_tokens),
     }
+    methods |= trained_heads(Path(target_dir).parent, target, num_draft_tokens)
     console.print(f"[bold]specjax demo[/bold]: target {target.cfg.num_params() / 1e6:.1f}M params, draft "
                   f"{draft.cfg.num_params() / 1e6:.2f}M params, {target.cfg.dtype}, greedy, {max_new_tokens} new "
                   "tokens per prompt")

@@ -6,6 +6,17 @@ model.safetensors with torch's [out, in] layout and transformers' tensor names, 
 tokenizer files copied. transformers' `AutoModelForCausalLM.from_pretrained` loads it
 (tests/test_export.py checks the logits). This is the inverse of `convert/hf.py`.
 
+MTP layers (convert/mtp.py) go back in the layout they came from: DeepSeek-V3's extra
+`model.layers.{L + j}.*` (config `num_nextn_predict_layers`) or Qwen3-Next's `mtp.*` (config
+`mtp_num_hidden_layers`), so `specjax.load` of the export gives the same `Target.mtp`.
+DeepSeek-V3 layers are written with their own `embed_tokens` and `shared_head.head`, as
+DeepSeek-V3 ships them and vLLM / SGLang's DeepSeek MTP modules load them by those names; when
+specjax dropped them on reading (equal to the target's), the target's embedding / lm_head are
+written there, which the reader drops again. An MTP-only directory (`specjax_mtp_only`, what
+scripts/train_mtp.py writes) is exported together with its target (`--target`): one directory
+holding the target's tensors, the MTP tensors, the layer count and the target's tokenizer files.
+transformers loads that as a plain causal LM (it ignores the MTP tensors, with a warning).
+
 EAGLE-3 heads become the SafeAILab layout (`convert/eagle3.py` reads it back): config.json
 (`LlamaForCausalLMEagle3`, `draft_vocab_size`, the taps as
 `eagle_config.eagle_aux_hidden_state_layer_ids` in "output of layer" numbering, so
@@ -34,7 +45,9 @@ import numpy as np
 from . import checkpoint
 from .config import ModelConfig
 from .convert.hf import _LAYER_KEYS as MODEL_LAYER_KEYS
+from .convert.hf import load_hf, read_json
 from .convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
+from .convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
 from .drafters.eagle3 import Eagle3Config
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -107,16 +120,92 @@ def model_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.nd
     return tensors
 
 
+def mtp_tensors(stored: dict, params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """The checkpoint tensors of stored MTP layers (`Target.mtp`) in their own layout, cast to dtype.
+
+    DeepSeek-V3 layers get `embed_tokens` / `shared_head.head` (the target's when not their own).
+    """
+    tensors = {name: _cast(value, dtype) for name, value in mtp_hf_tensors(stored, cfg).items()}
+    if "fc" not in stored:  # deepseek: per-layer tables, as DeepSeek-V3 ships them
+        embed = _cast(params["embed"], dtype)
+        head = embed if cfg.tie_word_embeddings else _cast(np.asarray(params["lm_head"]).T, dtype)
+        for j in stored["layers"]:
+            prefix = f"model.layers.{cfg.num_layers + int(j)}."
+            tensors.setdefault(prefix + "embed_tokens.weight", embed)
+            tensors.setdefault(prefix + "shared_head.head.weight", head)
+    return tensors
+
+
+def mtp_config_keys(stored: dict) -> dict[str, int]:
+    """The config.json layer count of stored MTP layers, under their layout's key."""
+    key = "mtp_num_hidden_layers" if "fc" in stored else "num_nextn_predict_layers"
+    return {key: len(stored["layers"])}
+
+
+def _hf_config(hf_config: dict, dtype: str, stored_mtp: dict | None) -> dict:
+    config = {k: v for k, v in hf_config.items() if k not in ("dtype", MTP_ONLY_KEY)}
+    if stored_mtp is not None:
+        config.update(mtp_config_keys(stored_mtp))
+    config["torch_dtype"] = dtype
+    return config
+
+
+def _tokenizer_files(directory: Path) -> dict[str, Path]:
+    return {name: directory / name for name in checkpoint.TOKENIZER_FILES if (directory / name).is_file()}
+
+
 def export_model(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """A converted specjax checkpoint (target or draft model) -> a Hugging Face model directory."""
+    """A converted specjax checkpoint (target or draft model, with its MTP layers) -> a Hugging Face directory."""
     src = Path(src)
     params, hf_config, meta = checkpoint.restore(src)
     dtype = dtype or meta.get("dtype", "float32")
     cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
-    config = {**hf_config, "torch_dtype": dtype}
-    config.pop("dtype", None)
-    extra = {name: src / name for name in checkpoint.TOKENIZER_FILES if (src / name).is_file()}
-    return write_hf_dir(dst, config, model_tensors(params, cfg, dtype), extra_files=extra, overwrite=overwrite)
+    stored = params.get("mtp")
+    tensors = model_tensors(params, cfg, dtype)
+    if stored is not None:
+        tensors.update(mtp_tensors(stored, params, cfg, dtype))
+    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(src),
+                        overwrite=overwrite)
+
+
+def _read_target(target: Path, dtype: str | None) -> tuple[dict, dict, str]:
+    """(host params, config.json, dtype) of a target: a converted specjax checkpoint or a Hugging Face dir."""
+    if checkpoint.is_checkpoint(target):
+        params, hf_config, meta = checkpoint.restore(target)
+        return params, hf_config, dtype or meta.get("dtype", "float32")
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"target {target} is neither a converted specjax checkpoint nor a Hugging Face "
+                                "model directory (config.json + safetensors)")
+    hf_config = read_json(target / "config.json")
+    if isinstance(hf_config, dict) and is_mtp_only(hf_config):
+        raise ValueError(f"target {target} is itself an MTP-only directory; --target is the model the MTP layers "
+                         "were made for")
+    hf_config, cfg, params = load_hf(target, dtype=dtype)
+    return params, hf_config, cfg.dtype
+
+
+def export_mtp_only(src: str | Path, target: str | Path, dst: str | Path, *, dtype: str | None = None,
+                    overwrite: bool = False) -> Path:
+    """An MTP-only directory + its target -> one Hugging Face directory carrying the MTP layers.
+
+    The target's tensors, config.json (+ the MTP layer count) and tokenizer files, and the MTP
+    tensors under the names they have inside a target's checkpoint (DeepSeek-V3's
+    model.layers.{L + j}.* for the DeepSeek layout): what `specjax.load` / `load_drafter` and
+    MTP-aware servers read. dtype defaults to the target's.
+    """
+    src, target = Path(src), Path(target)
+    if not target.exists():
+        raise FileNotFoundError(f"target {target} does not exist")
+    params, hf_config, dtype = _read_target(target, dtype)
+    if params.get("mtp") is not None:
+        raise ValueError(f"target {target} already carries MTP layers; export it alone, or pass a target without "
+                         f"them to add the layers of {src}")
+    cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
+    stored = read_mtp_only_dir(src, cfg)  # ValueError when it was made for a target of another shape
+    tensors = model_tensors(params, cfg, dtype)
+    tensors.update(mtp_tensors(stored, params, cfg, dtype))
+    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(target),
+                        overwrite=overwrite)
 
 
 # ---- EAGLE-3 heads ----------------------------------------------------------------------------------------
@@ -196,14 +285,23 @@ def export_eagle3_run(run_dir: str | Path, dst: str | Path, *, dtype: str | None
                         overwrite=overwrite)
 
 
-def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """`specjax export`: a converted target / draft checkpoint, or an EAGLE-3 training run, by what src holds."""
+def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False,
+           target: str | Path | None = None) -> Path:
+    """`specjax export`: a converted target / draft checkpoint, an EAGLE-3 training run, or an MTP-only
+    directory with its `target`, by what src holds."""
     src = Path(src)
     if not src.is_dir():
-        raise FileNotFoundError(f"{src} is not a directory: pass a converted specjax checkpoint or an EAGLE-3 "
-                                "training run directory")
+        raise FileNotFoundError(f"{src} is not a directory: pass a converted specjax checkpoint, an EAGLE-3 "
+                                "training run directory or an MTP-only directory")
     if dtype is not None and dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
+    if _is_mtp_only_dir(src):
+        if target is None:
+            raise ValueError(f"{src} holds only MTP layers (specjax_mtp_only): pass the target they were made for "
+                             "with --target (export(..., target=...)); the export is the target with its MTP layers")
+        return export_mtp_only(src, target, dst, dtype=dtype, overwrite=overwrite)
+    if target is not None:
+        raise ValueError(f"--target is for exporting an MTP-only directory with its target; {src} is not one")
     if checkpoint.is_checkpoint(src):
         return export_model(src, dst, dtype=dtype, overwrite=overwrite)
     if is_eagle3_run(src):
@@ -213,3 +311,11 @@ def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwr
                          f"{checkpoint.MARKER}); export writes specjax checkpoints and training runs back to that format")
     raise ValueError(f"{src} is neither a converted specjax checkpoint ({checkpoint.MARKER}) nor an EAGLE-3 training "
                      f"run ({EAGLE3_RUN_FILE})")
+
+
+def _is_mtp_only_dir(path: Path) -> bool:
+    file = path / "config.json"
+    if checkpoint.is_checkpoint(path) or not file.is_file():
+        return False
+    config = read_json(file)
+    return isinstance(config, dict) and is_mtp_only(config)

@@ -22,9 +22,11 @@ from specjax import export as ex
 from specjax.cache import init_cache
 from specjax.cli import main as cli_main
 from specjax.convert.eagle3 import load_eagle3
+from specjax.drafters import MtpDrafter
 from specjax.models.decoder import forward, has_layer_list, lm_head
 
 from hf_tiny import build_hf_model, save_hf_model
+from test_mtp import add_mtp
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "checkpoints" / "tiny"
@@ -151,3 +153,109 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         ex.export(EMBEDDED / "draft", tmp_path / "new")
     assert (dst / "model.safetensors").read_bytes() == before  # the old export survives
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft-hf"]  # no temp dirs, nothing at "new"
+
+
+# ---------------------------------------------------------------- MTP layers
+
+
+def assert_same_tree(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def assert_same_drafts(target_a, drafter_a, target_b, drafter_b, prompts):
+    for prompt in prompts:
+        a = specjax.inspect_draft(target_a, drafter_a, prompt, num_draft_tokens=3)
+        b = specjax.inspect_draft(target_b, drafter_b, prompt, num_draft_tokens=3)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def _own_head(tensors):
+    """DeepSeek layer 2 (the first MTP layer) with its own shared_head.head, unlike the target's lm_head."""
+    head = np.random.default_rng(5).standard_normal((256, 64)).astype(np.float32) / 8
+    return {**tensors, "model.layers.2.shared_head.head.weight": head}
+
+
+@pytest.mark.parametrize("layout, num, edit", [("deepseek", 2, _own_head), ("qwen3_next", 2, None)])
+def test_converted_target_exports_its_mtp_layers_in_their_layout(layout, num, edit, tmp_path):
+    """HF with MTP tensors -> convert -> export: same target, same Target.mtp, same MTP drafts."""
+    base = save_hf_model(build_hf_model("llama", seed=0, num_hidden_layers=2, tie_word_embeddings=False),
+                         tmp_path / "base")
+    src = add_mtp(base, tmp_path / "hf", layout, num, seed=1, edit=edit)
+    specjax.convert(src, tmp_path / "sj")
+    dst = ex.export(tmp_path / "sj", tmp_path / "back")
+    config = json.loads((dst / "config.json").read_text())
+    assert config["num_nextn_predict_layers" if layout == "deepseek" else "mtp_num_hidden_layers"] == num
+    original, exported = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    for name, value in original.items():  # every original tensor under its own name, [out, in]
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    added = sorted(set(exported) - set(original))
+    if layout == "deepseek":  # the per-layer tables DeepSeek-V3 ships: the target's where the layer had none
+        assert added == ["model.layers.2.embed_tokens.weight", "model.layers.3.embed_tokens.weight",
+                         "model.layers.3.shared_head.head.weight"]
+        np.testing.assert_array_equal(exported["model.layers.3.shared_head.head.weight"], original["lm_head.weight"])
+        np.testing.assert_array_equal(exported["model.layers.2.embed_tokens.weight"],
+                                      original["model.embed_tokens.weight"])
+    else:
+        assert added == []
+        assert all(n.startswith("mtp.") for n in set(original) - set(load_file(base / "model.safetensors")))
+
+    want, got = specjax.load(tmp_path / "sj"), specjax.load(dst)
+    assert_same_tree(got.params, want.params)
+    assert_same_tree(got.mtp, want.mtp)
+    assert ("lm_head" in got.mtp["layers"]["0"]) == (edit is not None)
+    drafter = specjax.load_drafter(dst, got)
+    assert isinstance(drafter, MtpDrafter) and drafter.cfg.layout == layout and drafter.cfg.num_layers == num
+    assert_same_drafts(want, specjax.load_drafter(tmp_path / "sj", want), got, drafter, [[7, 30, 12, 5], [200]])
+
+
+def test_mtp_only_dir_exports_with_its_target(tmp_path):
+    """checkpoints/tiny/mtp + --target: one HF dir; specjax reads the same target and MTP drafter,
+    transformers loads it as a plain causal LM with the same logits."""
+    dst = tmp_path / "with-mtp"
+    assert cli_main(["export", str(EMBEDDED / "mtp"), str(dst), "--target", str(EMBEDDED / "target")]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and "specjax_mtp_only" not in config
+    assert config["torch_dtype"] == "float32" and config["num_hidden_layers"] == 4
+    assert (dst / "tokenizer.json").read_bytes() == (EMBEDDED / "target" / "tokenizer.json").read_bytes()
+    tensors = load_file(dst / "model.safetensors")
+    mtp_names = sorted(n for n in tensors if n.startswith("model.layers.4."))
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens",
+                 "self_attn.q_proj", "mlp.down_proj"):
+        assert f"model.layers.4.{name}.weight" in mtp_names, name
+    assert "lm_head.weight" not in tensors  # tied, as the target
+    np.testing.assert_array_equal(tensors["model.layers.4.shared_head.head.weight"],
+                                  tensors["model.embed_tokens.weight"])
+
+    target, got = specjax.load(EMBEDDED / "target"), specjax.load(dst)
+    assert target.mtp is None and got.mtp is not None
+    assert_same_tree(got.params, target.params)
+    tokens = np.asarray([target.encode("def quicksort(xs):\n    return sorted(xs)")], np.int32)
+    want_logits = specjax_logits(target, tokens)
+    np.testing.assert_array_equal(specjax_logits(got, tokens), want_logits)
+    drafter = specjax.load_drafter(dst, got)
+    assert isinstance(drafter, MtpDrafter) and drafter.cfg.layout == "deepseek"
+    assert_same_drafts(target, specjax.load_drafter(EMBEDDED / "mtp", target), got, drafter,
+                       [target.encode("def add(a, b):"), [5, 9, 14]])
+    np.testing.assert_allclose(transformers_logits(dst, tokens), want_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_only_export_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="holds only MTP layers.*--target"):
+        ex.export(EMBEDDED / "mtp", tmp_path / "x")
+    assert cli_main(["export", str(EMBEDDED / "mtp"), str(tmp_path / "x")]) == 2
+    assert "--target" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--target is for exporting an MTP-only directory"):
+        ex.export(EMBEDDED / "draft", tmp_path / "x", target=EMBEDDED / "target")
+    with pytest.raises(ValueError, match="made for another target"):
+        ex.export(EMBEDDED / "mtp", tmp_path / "x", target=EMBEDDED / "draft")
+    with pytest.raises(ValueError, match="itself an MTP-only directory"):
+        ex.export(EMBEDDED / "mtp", tmp_path / "x", target=EMBEDDED / "mtp")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ex.export(EMBEDDED / "mtp", tmp_path / "x", target=tmp_path / "missing")
+    with_mtp = ex.export(EMBEDDED / "mtp", tmp_path / "with-mtp", target=EMBEDDED / "target")
+    with pytest.raises(ValueError, match="already carries MTP layers"):
+        ex.export(EMBEDDED / "mtp", tmp_path / "x", target=with_mtp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["with-mtp"]  # nothing written by the refusals
