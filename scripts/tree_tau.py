@@ -6,6 +6,9 @@ and the drafter passes per round for each tree.
 
     python scripts/tree_tau.py                       # 16-node trees: dynamic (EAGLE-2) vs static
     python scripts/tree_tau.py --trees kary:3,2,1 dynamic:top_k=4,depth=3,total_tokens=16
+    python scripts/tree_tau.py --drafter eagle3 --trees kary:3,2,1,1 kary:7,2 kary:3,3,1 \
+        kary:2,1,1,1,1,1,1,1,1,1 chain:21 dynamic:top_k=3,depth=4,total_tokens=22 \
+        dynamic:top_k=2,depth=8,total_tokens=22           # the trained EAGLE-3 head, ~22-node trees
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ def main() -> None:
     p.add_argument("--ckpt", default=str(ROOT / "checkpoints" / "tiny"))
     p.add_argument("--trees", nargs="*", default=TREES)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--drafter", default="draft", help="the drafter's directory under --ckpt (draft, eagle3, ...)")
     args = p.parse_args()
     ckpt = Path(args.ckpt)
     manifest = (ckpt / "manifest.json").read_bytes()
     prompts = [x["text"] for x in json.loads(manifest)["held_out_prompts"]]
     target = specjax.load(ckpt / "target")
-    drafter = specjax.load_drafter(ckpt / "draft", target)
+    drafter = specjax.load_drafter(ckpt / args.drafter, target)
     print(f"manifest {ckpt / 'manifest.json'} sha256 {hashlib.sha256(manifest).hexdigest()[:16]}; "
           f"{len(prompts)} held-out prompts, greedy, {args.max_new_tokens} new tokens, batch {len(prompts)}")
     plain = specjax.generate(target, prompts, max_new_tokens=args.max_new_tokens, eos_token_id=[])
