@@ -35,6 +35,7 @@ import numpy as np
 
 import specjax
 from specjax import export as ex
+from specjax.train.runlog import RunLog
 from specjax.train import corpus, data, tiny, trainer
 from specjax.train import eagle3 as ttt
 
@@ -143,23 +144,12 @@ def dir_bytes(path: Path) -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.run_dir / "train_eagle3.log", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
+    run = RunLog(args.run_dir, "train_eagle3")
+    log = run.log
 
     target = specjax.load(args.target, attn_impl="xla")
     taps = tuple(int(t) for t in args.taps.split(","))
-    wall: dict[str, float] = {}
-
-    def timed(name, fn, *a):
-        t0 = time.perf_counter()
-        out = fn(*a)
-        wall[name] = time.perf_counter() - t0
-        return out
+    timed, wall = run.timed, run.wall_s
 
     stream = data.token_stream(target.tokenizer, list(corpus.load_split("train").values()))
     pool = timed("data", stage_data, args, target, stream, log)

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 import specjax
+from specjax.train.runlog import RunLog
 from specjax.train import corpus, data, trainer
 from specjax.train import mtp as tm
 
@@ -141,22 +142,11 @@ def dir_bytes(path: Path) -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.run_dir / "train_mtp.log", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
+    run = RunLog(args.run_dir, "train_mtp")
+    log = run.log
 
     target = specjax.load(args.target, attn_impl="xla")
-    wall: dict[str, float] = {}
-
-    def timed(name, fn, *a):
-        t0 = time.perf_counter()
-        out = fn(*a)
-        wall[name] = time.perf_counter() - t0
-        return out
+    timed, wall = run.timed, run.wall_s
 
     pool = timed("data", stage_data, args, target, log)
     if args.stop_after == "data":

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from specjax import checkpoint
 from specjax.models.decoder import init_params
+from specjax.train.runlog import RunLog
 from specjax.train import corpus, data, losses, tiny, trainer
 from specjax.train.model import train_logits
 from specjax.train.tokenizer import eot_id, train_tokenizer
@@ -291,23 +292,8 @@ def stage_export(args, splits, streams, tok, target_params, draft_params, log, w
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.run_dir / "train_tiny.log", "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
-
-    wall_path = args.run_dir / "wall_s.json"
-    wall_s = json.loads(wall_path.read_text()) if wall_path.is_file() else {}
-
-    def timed(name, fn, *a):
-        start = time.perf_counter()
-        result = fn(*a)
-        wall_s[name] = wall_s.get(name, 0.0) + time.perf_counter() - start
-        wall_path.write_text(json.dumps(wall_s))
-        return result
+    run = RunLog(args.run_dir, "train_tiny")
+    log, timed, wall_s = run.log, run.timed, run.wall_s
 
     log(f"python {corpus.python_version()}, stdlib {corpus.stdlib_root()}")
     splits = {s: corpus.load_split(s) for s in corpus.SPLITS}

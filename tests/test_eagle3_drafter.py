@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import KVCache
 from specjax.config import SamplingConfig
 from specjax.drafters.base import PrefillContext, Settings
 from specjax.drafters.eagle3 import Eagle3Drafter, eagle3_drafter

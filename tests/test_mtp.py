@@ -114,7 +114,7 @@ def add_mtp(src: Path, dst: Path, layout: str, num: int, seed: int = 0, edit=Non
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     tensors = load_file(dst / "model.safetensors")
-    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     rng = np.random.default_rng(seed)
     block = {k[len("model.layers.0."):]: t for k, t in tensors.items() if k.startswith("model.layers.0.")}
 
