@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels import attention
-
-from ..cache import KVCache, commit, init_cache, write_layer
+from ..cache import KVCache, commit, init_cache
 from ..config import ModelConfig
 from ..dynamic_tree import build_tree
-from ..models.decoder import attn_out_and_mlp, forward, has_layer_list, lm_head, qkv, rms_norm, rope_inv_freq
+from ..models.decoder import (attn_out_and_mlp, cached_attention, forward, has_layer_list, lm_head, qkv, rms_norm,
+                              rope_inv_freq)
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
@@ -194,19 +193,13 @@ def forward_frontier(params: dict, cfg: ModelConfig, tokens_BK: jax.Array, cache
     function (the Pallas kernel on GPU) serves, unchanged. Returns the final-normed hidden states
     [B, K, D] and the cache (lengths unchanged).
     """
-    b, k = tokens_BK.shape
-    r = ancestors_BKR.shape[-1]
-    base_B = cache.lengths
-    mask_BRR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), ancestors_BKR, (0, slot, 0))
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     def layer_fn(p, layer, h_BKD, k_cache, v_cache):
         q_BKHD, k_BKGD, v_BKGD = qkv(cfg, p, h_BKD, positions_BK, inv_freq)
-        k_cache = write_layer(k_cache, layer, k_BKGD, base_B + slot)
-        v_cache = write_layer(v_cache, layer, v_BKGD, base_B + slot)
-        q_BRHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD, (0, slot, 0, 0))
-        o_BRHD = attention(q_BRHD, k_cache, v_cache, base_B, mask_BRR, layer=layer, impl=attn_impl, finite_cache=True)
-        return attn_out_and_mlp(cfg, p, h_BKD, lax.dynamic_slice_in_dim(o_BRHD, slot, k, axis=1)), k_cache, v_cache
+        o_BKHD, k_cache, v_cache = cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, cache.lengths,
+                                                    ancestors_BKR, attn_impl, slot)
+        return attn_out_and_mlp(cfg, p, h_BKD, o_BKHD), k_cache, v_cache
 
     h_BKD = params["embed"][tokens_BK]
     if isinstance(cache.k, tuple):  # per-layer buffers (CPU layout)

@@ -33,12 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.kernels import attention
-
-from ..cache import KVCache, init_cache, write_layer
+from ..cache import KVCache, init_cache
 from ..config import ModelConfig, RopeConfig
 from ..dynamic_tree import build_tree
-from ..models.decoder import attn_out_and_mlp, causal_mask, project_qkv, rms_norm, rope_inv_freq
+from ..models.decoder import attn_out_and_mlp, cached_attention, causal_mask, project_qkv, rms_norm, rope_inv_freq
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from ..verify import Draft, Verdict
@@ -147,55 +145,28 @@ def midlayer_out(cfg: Eagle3Config, params: dict, h_BTD: jax.Array, o_BTHD: jax.
 
 
 def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *,
-             positions_BT: jax.Array | None = None, mask_BTT: jax.Array | None = None,
+             positions_BT: jax.Array | None = None, mask_BTR: jax.Array | None = None, slot=0,
              attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """The head's decoder layer over T new tokens per row after each row's cached prefix.
+    """The head's decoder layer over T new rows per row after each row's cached prefix.
 
     ids_BT are target token ids (embedded with params["embed"]); h_BTD the hidden input (fc of
-    the features, or the head's own previous output). K/V are written at `lengths + t`;
+    the features, or the head's own previous output). K/V are written at `lengths + slot + t`;
     lengths stay unchanged (the caller advances or commits, as for the target's forward).
-    positions default to `lengths + t`, mask_BTT (query i sees new token j) to causal.
+    positions default to `lengths + t`, mask_BTR to causal among the new rows. A tree level passes
+    its window: slot and a mask over the R slots after the prefix (see `decoder.cached_attention`).
     Returns the pre-norm hidden states [B, T, H] and the cache.
     """
     b, t = ids_BT.shape
     lengths_B = cache.lengths
     if positions_BT is None:
         positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if mask_BTT is None:
-        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    if mask_BTR is None:
+        mask_BTR = jnp.broadcast_to(causal_mask(t), (b, t, t))
     q_BTHD, k_BTKD, v_BTKD = midlayer_qkv(cfg, params, ids_BT, h_BTD, positions_BT)
     (k_buf,), (v_buf,) = cache.k, cache.v
-    k_buf = write_layer(k_buf, None, k_BTKD, lengths_B)
-    v_buf = write_layer(v_buf, None, v_BTKD, lengths_B)
-    o_BTHD = attention(q_BTHD, k_buf, v_buf, lengths_B, mask_BTT, impl=attn_impl, finite_cache=True)
+    o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTR,
+                                            attn_impl, slot)
     return midlayer_out(cfg, params, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
-
-
-def midlayer_window(cfg: Eagle3Config, params: dict, ids_BK: jax.Array, h_BKD: jax.Array, cache: KVCache,
-                    positions_BK: jax.Array, slot, mask_BKR: jax.Array, *,
-                    attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """The head's layer over K tree nodes placed in a window of R slots after each row's prefix.
-
-    Row b's prefix is `cache.lengths[b]` positions, visible to every node. The K nodes are written
-    at slots `slot .. slot + K - 1` (cache positions `lengths + slot + k`), and node k attends to the
-    prefix and the window slots `mask_BKR[:, k]` marks (its ancestors among the nodes already run,
-    and itself). Slots the mask does not mark are never read, so whatever an earlier round left
-    there is harmless. Attention runs over the whole window (the K queries at their slots), so
-    the one attention function serves unchanged (as `draft_model.forward_frontier` does).
-    Returns the pre-norm hidden states [B, K, H] and the cache (lengths unchanged).
-    """
-    b, k = ids_BK.shape
-    r = mask_BKR.shape[-1]
-    base_B = cache.lengths
-    q_BKHD, k_BKGD, v_BKGD = midlayer_qkv(cfg, params, ids_BK, h_BKD, positions_BK)
-    (k_buf,), (v_buf,) = cache.k, cache.v
-    k_buf = write_layer(k_buf, None, k_BKGD, base_B + slot)
-    v_buf = write_layer(v_buf, None, v_BKGD, base_B + slot)
-    mask_BRR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), mask_BKR, (0, slot, 0))
-    q_BRHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD, (0, slot, 0, 0))
-    o_BRHD = attention(q_BRHD, k_buf, v_buf, base_B, mask_BRR, impl=attn_impl, finite_cache=True)
-    o_BKHD = lax.dynamic_slice_in_dim(o_BRHD, slot, k, axis=1)
-    return midlayer_out(cfg, params, h_BKD, o_BKHD), KVCache((k_buf,), (v_buf,), base_B)
 
 
 def draft_logits(cfg: Eagle3Config, params: dict, h_BTD: jax.Array) -> jax.Array:
@@ -379,8 +350,8 @@ class Eagle3Drafter:
             m = len(levels[d])
             positions_BM = jnp.broadcast_to((length_B + d - 1)[:, None], (b, m))
             mask_BMR = jnp.broadcast_to(jnp.asarray(anc_RR[[slot[i] for i in levels[d]]]), (b, m, anc_RR.shape[1]))
-            h_BKD, cache = midlayer_window(self.cfg, params, tok_BM, h_BKD[:, par], cache, positions_BM,
-                                           slot[levels[d][0]], mask_BMR, attn_impl=self.attn_impl)
+            h_BKD, cache = midlayer(self.cfg, params, tok_BM, h_BKD[:, par], cache, positions_BT=positions_BM,
+                                    mask_BTR=mask_BMR, slot=slot[levels[d][0]], attn_impl=self.attn_impl)
             logits_BKV = draft_logits(self.cfg, params, h_BKD)
         tokens_BN = jnp.stack([tokens[i] for i in range(n)], axis=1)
         logits = None
@@ -406,8 +377,9 @@ class Eagle3Drafter:
             kc, vc, h_prev_BKD, rec = carry
             h_in_BKD = jnp.take_along_axis(h_prev_BKD, frontier.parent[:, :, None], axis=1)
             positions_BK = jnp.broadcast_to((length_B + frontier.step)[:, None], (b, k))
-            h_BKD, c = midlayer_window(self.cfg, params, frontier.tokens, h_in_BKD, KVCache(kc, vc, length_B),
-                                       positions_BK, frontier.slot, frontier.ancestors, attn_impl=self.attn_impl)
+            h_BKD, c = midlayer(self.cfg, params, frontier.tokens, h_in_BKD, KVCache(kc, vc, length_B),
+                                positions_BT=positions_BK, mask_BTR=frontier.ancestors, slot=frontier.slot,
+                                attn_impl=self.attn_impl)
             logits_BKV = draft_logits(self.cfg, params, h_BKD)
             if record:
                 rec = lax.dynamic_update_slice(rec, logits_BKV, (0, frontier.slot, 0))

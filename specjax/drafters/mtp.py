@@ -47,11 +47,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import attention
-
-from ..cache import KVCache, init_cache, write_layer
+from ..cache import KVCache, init_cache
 from ..config import ModelConfig
-from ..models.decoder import attn_out_and_mlp, causal_mask, qkv, rms_norm, rope_inv_freq
+from ..models.decoder import attn_out_and_mlp, cached_attention, causal_mask, qkv, rms_norm, rope_inv_freq
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import spec_arrays
 from ..verify import Draft, Verdict
@@ -136,9 +134,7 @@ def head_step(cfg: MtpConfig, params: dict, j: int, ids_BT: jax.Array, h_BTD: ja
     block_cfg, p = cfg.block, layer_params(params, j)["block"]
     x_BTD = fuse(cfg, params, j, ids_BT, h_BTD, positions_BT)
     q_BTHD, k_BTKD, v_BTKD = qkv(block_cfg, p, x_BTD, positions_BT, rope_inv_freq(block_cfg.rope, block_cfg.head_dim))
-    k_buf = write_layer(k_buf, None, k_BTKD, lengths_B)
-    v_buf = write_layer(v_buf, None, v_BTKD, lengths_B)
-    o_BTHD = attention(q_BTHD, k_buf, v_buf, lengths_B, mask_BTT, impl=attn_impl, finite_cache=True)
+    o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTT, attn_impl)
     return attn_out_and_mlp(block_cfg, p, x_BTD, o_BTHD), k_buf, v_buf
 
 

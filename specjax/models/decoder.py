@@ -97,15 +97,35 @@ def attn_out_and_mlp(cfg: ModelConfig, p: dict, h_BTD: jax.Array, o_BTHD: jax.Ar
     return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
 
 
+def cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, base_B, mask_BKR, attn_impl: str, slot=0):
+    """Write K new rows' K/V after each row's prefix and attend over the cache: every layer's core.
+
+    The new rows go to window slots `slot .. slot + K - 1` (cache positions `base + slot + i`) of a
+    window of R slots after the prefix; row i sees the prefix (< base) and the slots `mask_BKR[:, i]`
+    marks. The plain case (slot 0, R = K) is a forward pass's T new tokens; a tree's frontier uses a
+    wider window, so only its ancestors among the nodes already run are visible. k/v_cache are a
+    stacked cache (with `layer`) or one layer's buffers (layer None). Returns (o_BKHD, k_cache, v_cache).
+    """
+    b, k = q_BKHD.shape[:2]
+    r = mask_BKR.shape[-1]
+    k_cache = write_layer(k_cache, layer, k_BKGD, base_B + slot)
+    v_cache = write_layer(v_cache, layer, v_BKGD, base_B + slot)
+    windowed = not (isinstance(slot, int) and slot == 0 and r == k)
+    if windowed:  # the K queries at their slots of the R-row window; the other rows see nothing
+        mask_BKR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), mask_BKR, (0, slot, 0))
+        q_BKHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD,
+                                          (0, slot, 0, 0))
+    # specjax caches start as zeros and only ever hold computed K/V: never NaN past a row's tokens.
+    o = attention(q_BKHD, k_cache, v_cache, base_B, mask_BKR, layer=layer, impl=attn_impl, finite_cache=True)
+    return (lax.dynamic_slice_in_dim(o, slot, k, axis=1) if windowed else o), k_cache, v_cache
+
+
 def _layer(cfg: ModelConfig, p: dict, layer: jax.Array | None, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
            mask_BTT, inv_freq, attn_impl: str):
     """One layer; k/v_cache are the stacked cache (with `layer`) or this layer's own buffers (layer None)."""
     q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
-    k_cache = write_layer(k_cache, layer, k_BTKD, lengths_B)
-    v_cache = write_layer(v_cache, layer, v_BTKD, lengths_B)
-    # specjax caches start as zeros and only ever hold computed K/V: never NaN past a row's tokens.
-    o_BTHD = attention(q_BTHD, k_cache, v_cache, lengths_B, mask_BTT, layer=layer, impl=attn_impl,
-                       finite_cache=True)
+    o_BTHD, k_cache, v_cache = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_cache, v_cache, layer, lengths_B, mask_BTT,
+                                                attn_impl)
     return attn_out_and_mlp(cfg, p, h_BTD, o_BTHD), k_cache, v_cache
 
 
