@@ -81,7 +81,7 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         round_BO = round_BO.at[jnp.arange(b)[:, None], dst_BN].set(step + 1, mode="drop")
         count_B = count_B + emit_B
         done_B = done_B | has_eos_B | (count_B >= max_new_B)
-        stats = record_round(stats, draft, depth_BN, verdict, active_B, emit_B, drafter.calls_per_round())
+        stats = record_round(stats, draft, depth_BN, verdict, active_B, emit_B)
 
         cache = commit(cache, verdict.path, verdict.num_accepted)
         root_B = jnp.where(active_B, verdict.bonus, root_B)
@@ -105,7 +105,7 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
         target, ("spec", req.lc, configured, req.prompt_BT.shape), spec_generate,
         (target.params, configured.params, *req.arrays()), {"lc": req.lc, "drafter": configured})
     out_BO, round_BO, count_B, stats = jax.tree.map(np.asarray, result)
-    summary = summarize(stats, len(req.ids))
+    summary = summarize(stats, len(req.ids), configured.calls_per_round())
     return finish(target, req, out_BO, count_B, compile_s, run_s, {**summary, "tree_nodes": spec.num_nodes},
                   round_BO, stats)
 

@@ -3,9 +3,9 @@
 Only what a row actually emits is counted: drafts accepted after an EOS, or past the row's
 token budget, are cut from the output and so are not acceptance either. Per depth the loop
 records nodes offered and accepted and the accepted node's rank among its siblings (the
-inputs of the planner's acceptance model), plus the compute spent: verified tokens (valid
-nodes of active rows), padded tokens (what the fixed-shape pass actually ran) and drafter
-forward passes.
+inputs of the planner's acceptance model), and the verified tokens (valid nodes of active
+rows). Padded tokens (what the fixed-shape pass ran) and drafter passes are fixed per loop
+iteration, so `summarize` derives them from the iteration count.
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ class SpecStats:
     accepted_D: jax.Array  # int32 [D]: accepted (and emitted) drafts at depth d+1
     accepted_rank_DR: jax.Array  # int32 [D, R]: accepted drafts at depth d+1 that were their parent's r-th child
     verified_tokens: jax.Array  # int32 []: valid nodes (root included) of active rows, summed over rounds
-    padded_tokens: jax.Array  # int32 []: B x N per loop iteration: the tokens the verify pass computed
-    drafter_calls: jax.Array  # int32 []: drafter forward passes
-    loop_rounds: jax.Array  # int32 []: iterations of the round loop
+    loop_rounds: jax.Array  # int32 []: iterations of the round loop (padded tokens and drafter passes follow)
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, num_nodes: int) -> "SpecStats":
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z(), z(),
-                   z())
+        return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z())
 
 
 def sibling_ranks(parents_BN: jax.Array, valid_BN: jax.Array) -> jax.Array:
@@ -50,9 +47,8 @@ def sibling_ranks(parents_BN: jax.Array, valid_BN: jax.Array) -> jax.Array:
 
 
 def record_round(stats: SpecStats, draft: Draft, depth_BN: jax.Array, verdict: Verdict, active_B: jax.Array,
-                 emit_B: jax.Array, drafter_calls: int) -> SpecStats:
+                 emit_B: jax.Array) -> SpecStats:
     """Add one round. verdict.num_accepted counts the root; emit_B is what the row emitted after cuts."""
-    b, n = draft.tokens.shape
     max_depth, ranks = stats.accepted_rank_DR.shape
     drafts_B = jnp.where(active_B, jnp.minimum(verdict.num_accepted - 1, emit_B), 0)  # emitted drafts
     d_D = jnp.arange(1, max_depth + 1)
@@ -72,14 +68,15 @@ def record_round(stats: SpecStats, draft: Draft, depth_BN: jax.Array, verdict: V
         accepted_D=stats.accepted_D + jnp.sum(kept_BD, axis=0, dtype=jnp.int32),
         accepted_rank_DR=stats.accepted_rank_DR + jnp.sum(rank_hits_BDR, axis=0, dtype=jnp.int32),
         verified_tokens=stats.verified_tokens + jnp.sum(offered_BN, dtype=jnp.int32),
-        padded_tokens=stats.padded_tokens + b * n,
-        drafter_calls=stats.drafter_calls + drafter_calls,
         loop_rounds=stats.loop_rounds + 1,
     )
 
 
-def summarize(stats: SpecStats, n_rows: int) -> dict[str, Any]:
+def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, Any]:
     """JSON-friendly figures for `out.stats` (real prompts only; padding rows never emit).
+
+    Every loop iteration verifies B x N tokens (fixed shapes) and runs the drafter `calls_per_round`
+    times, so those totals follow from the iteration count.
 
     acceptance_length (tau) = tokens emitted per round, the bonus included; per-position
     acceptance = P(the draft at depth d was emitted) per round; acceptance_rate_at_depth =
@@ -89,6 +86,8 @@ def summarize(stats: SpecStats, n_rows: int) -> dict[str, Any]:
     rounds = max(int(s.rounds_B[:n_rows].sum()), 1)
     emitted = int(s.emitted_B[:n_rows].sum())
     loops = max(int(s.loop_rounds), 1)
+    batch, num_nodes = s.rounds_B.shape[0], s.accepted_rank_DR.shape[1]
+    drafter_calls = int(s.loop_rounds) * calls_per_round
     return {
         "acceptance_length": emitted / rounds,
         "per_position_acceptance": (s.accepted_D / rounds).tolist(),
@@ -100,8 +99,8 @@ def summarize(stats: SpecStats, n_rows: int) -> dict[str, Any]:
         "row_rounds": s.rounds_B[:n_rows].tolist(),
         "accepted_drafts": int(s.accepted_B[:n_rows].sum()),
         "verified_tokens_per_round": int(s.verified_tokens) / loops,
-        "padded_tokens_per_round": int(s.padded_tokens) / loops,
-        "drafter_calls": int(s.drafter_calls),
+        "padded_tokens_per_round": batch * num_nodes if s.loop_rounds else 0,
+        "drafter_calls": drafter_calls,
         # One drafter pass serves every row: passes per token of one row.
-        "drafter_calls_per_token": int(s.drafter_calls) * n_rows / max(emitted, 1),
+        "drafter_calls_per_token": drafter_calls * n_rows / max(emitted, 1),
     }
