@@ -24,7 +24,7 @@ from ..cache import KVCache, commit, init_cache
 from ..config import ModelConfig
 from ..dynamic_tree import build_tree
 from ..models.decoder import (attn_out_and_mlp, cached_attention, forward, has_layer_list, lm_head, qkv, rms_norm,
-                              rope_inv_freq)
+                              rope_inv_freq, run_layers)
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from ..verify import Draft, Verdict
@@ -195,26 +195,11 @@ def forward_frontier(params: dict, cfg: ModelConfig, tokens_BK: jax.Array, cache
     """
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
-    def layer_fn(p, layer, h_BKD, k_cache, v_cache):
+    def layer_fn(p, i, layer, h_BKD, k_cache, v_cache, extra):
         q_BKHD, k_BKGD, v_BKGD = qkv(cfg, p, h_BKD, positions_BK, inv_freq)
         o_BKHD, k_cache, v_cache = cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, cache.lengths,
                                                     ancestors_BKR, attn_impl, slot)
-        return attn_out_and_mlp(cfg, p, h_BKD, o_BKHD), k_cache, v_cache
+        return attn_out_and_mlp(cfg, p, h_BKD, o_BKHD), k_cache, v_cache, extra
 
-    h_BKD = params["embed"][tokens_BK]
-    if isinstance(cache.k, tuple):  # per-layer buffers (CPU layout)
-        ks, vs = list(cache.k), list(cache.v)
-        for i, p in enumerate(params["layers"]):
-            h_BKD, ks[i], vs[i] = layer_fn(p, None, h_BKD, ks[i], vs[i])
-        k_cache, v_cache = tuple(ks), tuple(vs)
-    elif has_layer_list(params):  # per-layer weights, stacked cache
-        k_cache, v_cache = cache.k, cache.v
-        for i, p in enumerate(params["layers"]):
-            h_BKD, k_cache, v_cache = layer_fn(p, jnp.int32(i), h_BKD, k_cache, v_cache)
-    else:
-        def body(carry, xs):
-            return layer_fn(xs[0], xs[1], *carry), None
-
-        (h_BKD, k_cache, v_cache), _ = lax.scan(
-            body, (h_BKD, cache.k, cache.v), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    h_BKD, (k_cache, v_cache), _ = run_layers(params, cfg, params["embed"][tokens_BK], cache, layer_fn)
     return rms_norm(h_BKD, params["final_norm"], cfg.rms_norm_eps), KVCache(k_cache, v_cache, cache.lengths)

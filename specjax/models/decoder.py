@@ -172,34 +172,48 @@ def forward(
             return captured.at[unique.index(layer)].set(h) if layer in unique else captured
         return captured.at[slot_of_layer[layer]].set(h, mode="drop")
 
-    def body(carry, xs):
-        h, k_cache, v_cache, captured = carry
-        p, layer = xs
-        captured = keep(captured, layer, h)
+    def layer_fn(p, i, layer, h, k_cache, v_cache, captured):
+        captured = keep(captured, i, h)
         h, k_cache, v_cache = _layer(cfg, p, layer, h, k_cache, v_cache, lengths_B, positions_BT, mask_BTT,
                                      inv_freq, attn_impl)
-        return (h, k_cache, v_cache, captured), None
+        return h, k_cache, v_cache, captured
 
+    h_BTD, (k, v), captured_UBTD = run_layers(params, cfg, h_BTD, cache, layer_fn, captured_UBTD)
+    captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
+    out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
+    return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
+
+
+def run_layers(params: dict, cfg: ModelConfig, h_BTD: jax.Array, cache: KVCache, layer_fn, extra=None):
+    """Run every layer in the layout params and cache are in; returns (h, (k, v), extra).
+
+    layer_fn(p, i, layer, h, k_cache, v_cache, extra) -> (h, k_cache, v_cache, extra), where i is the
+    layer index (a Python int when unrolled, traced under scan) and `layer` what `cached_attention`
+    takes: None with per-layer cache buffers (CPU; k/v_cache are that layer's own), else the index
+    into the stacked cache. Per-layer weights are unrolled; stacked weights run under `lax.scan`
+    with the cache carried, so it is updated in place.
+    """
     if isinstance(cache.k, tuple):  # per-layer cache buffers: each layer reads and writes its own
         if not has_layer_list(params):
             raise ValueError("a per-layer KV cache needs per-layer params (models.decoder.unstack_layers)")
         k, v = list(cache.k), list(cache.v)
         for i, p in enumerate(params["layers"]):
-            captured_UBTD = keep(captured_UBTD, i, h_BTD)
-            h_BTD, k[i], v[i] = _layer(cfg, p, None, h_BTD, k[i], v[i], lengths_B, positions_BT, mask_BTT,
-                                       inv_freq, attn_impl)
-        k, v = tuple(k), tuple(v)
-    else:
-        carry = (h_BTD, cache.k, cache.v, captured_UBTD)
-        if has_layer_list(params):  # per-layer arrays, stacked cache: unrolled
-            for i, p in enumerate(params["layers"]):
-                carry, _ = body(carry, (p, jnp.int32(i)))
-        else:
-            carry, _ = lax.scan(body, carry, (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-        h_BTD, k, v, captured_UBTD = carry
-    captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
-    out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
+            h_BTD, k[i], v[i], extra = layer_fn(p, i, None, h_BTD, k[i], v[i], extra)
+        return h_BTD, (tuple(k), tuple(v)), extra
+    k, v = cache.k, cache.v
+    if has_layer_list(params):  # per-layer arrays, stacked cache: unrolled
+        for i, p in enumerate(params["layers"]):
+            h_BTD, k, v, extra = layer_fn(p, i, jnp.int32(i), h_BTD, k, v, extra)
+        return h_BTD, (k, v), extra
+
+    def body(carry, xs):
+        p, i = xs
+        h, k_cache, v_cache, extra = layer_fn(p, i, i, *carry)
+        return (h, k_cache, v_cache, extra), None
+
+    (h_BTD, k, v, extra), _ = lax.scan(body, (h_BTD, k, v, extra),
+                                       (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    return h_BTD, (k, v), extra
 
 
 def unstack_layers(params: dict) -> dict:
