@@ -75,16 +75,15 @@ def require_chain(name: str, settings: Settings) -> None:
         raise ValueError(f"the {name} drafter proposes chains only; pass num_draft_tokens=K, not a tree")
 
 
-def chain_nodes(first_BX: jax.Array | None, rest_KBX: jax.Array | None) -> jax.Array | None:
-    """Per-node values of a chain, [B, N, ...]: zeros for the root, then draft 1, then a scan's stacked rest.
+def chain_nodes(first_BX: jax.Array | None, rest_KBX) -> jax.Array | None:
+    """Per-node values of a chain, [B, N, ...]: zeros for the root, then draft 1, then drafts 2..K.
 
-    For q and recorded logits, which a chain drafter produces for draft 1 outside its scan and for
-    drafts 2..K inside it (stacked on a leading axis). None in, None out.
+    For q and recorded logits: a chain drafter produces draft 1's before its loop and the rest inside
+    it, as a scan's stacked [K-1, B, ...] output or a list of [B, ...]. None in, None out.
     """
     if first_BX is None:
         return None
-    return jnp.concatenate([jnp.zeros_like(first_BX)[:, None], first_BX[:, None], jnp.moveaxis(rest_KBX, 0, 1)],
-                           axis=1)
+    return jnp.stack([jnp.zeros_like(first_BX), first_BX, *rest_KBX], axis=1)
 
 
 def accepted_tokens(draft: Draft, verdict: Verdict) -> jax.Array:

@@ -53,7 +53,7 @@ from ..models.decoder import attn_out_and_mlp, cached_attention, causal_mask, qk
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import spec_arrays
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, accepted_tokens, require_chain
+from .base import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
 
 LAYOUTS = ("deepseek", "qwen3_next")
 
@@ -268,8 +268,9 @@ class MtpDrafter:
             logits.append(logits_BV)
         tokens_BN = jnp.stack([root_B, *tokens], axis=1).astype(jnp.int32)
         b = root_B.shape[0]
+        recorded = chain_nodes(logits[0], logits[1:]) if self.settings.record_logits else None
         draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
-                      per_node(qs), logits=per_node(logits) if self.settings.record_logits else None)
+                      chain_nodes(qs[0], qs[1:]), logits=recorded)
         return draft, (KVCache(tuple(ks), tuple(vs), length_B), last_out_BD)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
@@ -281,13 +282,6 @@ class MtpDrafter:
         new_out_BD = jnp.take_along_axis(out_BND, last_B11, axis=1)[:, 0]
         last_out_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_out_BD, last_out_BD)
         return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_out_BD
-
-
-def per_node(values: list) -> jax.Array | None:
-    """Per-draft values [B, K, ...] stacked after a zero row for the root: [B, N, ...]; None when they are None."""
-    if values[0] is None:
-        return None
-    return jnp.stack([jnp.zeros_like(values[0]), *values], axis=1)
 
 
 def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
