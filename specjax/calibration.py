@@ -15,7 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from .config import SamplingConfig
+from .plain import plain_generate
 from .planner import expected_tau
+from .profile import RunTimes
+from .speculative import speculative_generate
 from .tree import TreeSpec, child_ranks
 
 
@@ -95,10 +99,24 @@ def acceptance_from_stats(stats: dict[str, Any], spec: TreeSpec) -> Calibration:
 def calibrate(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32, sampling=None,
               seed: int = 0, eos_token_id=None) -> Calibration:
     """Run the speculative loop once with `spec` on these prompts and estimate acceptance from its statistics."""
-    from .config import SamplingConfig
-    from .speculative import speculative_generate
-
     out = speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens,
                                sampling=sampling or SamplingConfig(), seed=seed, spec=spec,
                                eos_token_id=eos_token_id, max_len=None)
     return acceptance_from_stats(out.stats, spec)
+
+
+def run_times(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32, sampling=None, seed: int = 0,
+              eos_token_id=None, repeats: int = 3) -> RunTimes:
+    """Median seconds per plain step and per speculative round of `spec` on these prompts (after compiling).
+
+    Plain and speculative runs alternate, so drift on a shared machine hits both alike.
+    """
+    kw = {"max_new_tokens": max_new_tokens, "sampling": sampling or SamplingConfig(), "seed": seed,
+          "eos_token_id": eos_token_id, "max_len": None}
+    plain, rounds = [], []
+    for _ in range(repeats + 1):  # the first pair compiles (already compiled after a calibration run)
+        p = plain_generate(target, prompts, **kw)
+        s = speculative_generate(target, prompts, drafter, spec=spec, **kw)
+        plain.append(p.stats["decode_s"] / max(p.stats["rounds"], 1))
+        rounds.append(s.stats["decode_s"] / max(s.stats["rounds"], 1))
+    return RunTimes(float(np.median(plain[1:])), float(np.median(rounds[1:])), spec.num_nodes, spec.max_depth)

@@ -285,24 +285,34 @@ class Choice:
 
 
 def score(shape: Shape, batch: int, verify_s: Callable[[int, int], float],
-          draft_s: Callable[[int, int], float]) -> Scored:
-    """Predicted speedup = (tau / (draft(batch, depth) + verify(batch, nodes))) / (1 / verify(batch, 1))."""
-    plain = verify_s(batch, 1)
+          draft_s: Callable[[int, int], float], plain_s: Callable[[int], float] | None = None) -> Scored:
+    """Predicted speedup = (tau / (draft(batch, depth) + verify(batch, nodes))) / (1 / plain step).
+
+    The plain step is plain_s(batch) when measured, else verify(batch, 1).
+    """
+    plain = plain_step(verify_s, plain_s, batch)
     if shape.kind == "off":
         return Scored(shape, plain, 1.0)
     round_s = draft_s(batch, shape.depth) + verify_s(batch, shape.nodes)
     return Scored(shape, round_s, shape.tau * plain / round_s)
 
 
+def plain_step(verify_s: Callable[[int, int], float], plain_s: Callable[[int], float] | None, batch: int) -> float:
+    """Seconds per plain decoding step: measured (plain_s) when given, else one verify pass of one node per row."""
+    return verify_s(batch, 1) if plain_s is None else plain_s(batch)
+
+
 def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, int], float],
          draft_s: Callable[[int, int], float], max_nodes: int = 128, max_depth: int = 16,
-         max_chain: int = 16, tree_ok: bool = True, table: TreeTable | None = None) -> list[Choice]:
+         max_chain: int = 16, tree_ok: bool = True, table: TreeTable | None = None,
+         plain_s: Callable[[int], float] | None = None) -> list[Choice]:
     """For each batch size, the shape maximising predicted tokens/s, and the runner-up of another kind.
 
     Candidates: off, chains of 1..max_chain drafts (tau from p[0] alone), and (tree_ok) the DP's
     best tree for every budget 2..max_nodes and depth 1..max_depth (only the best of these per batch
     is a candidate, so the runner-up is never the same tree one node smaller). verify_s(batch, nodes)
-    and draft_s(batch, depth) are the cost model (see specjax/profile.py).
+    and draft_s(batch, depth) are the cost model (see specjax/profile.py; draft_s holds everything a round
+    costs besides the verify pass), plain_s(batch) a measured plain step (default: verify_s(batch, 1)).
     """
     p_R = check_p(p)
     if not batches or min(batches) < 1:
@@ -312,10 +322,10 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
         table = best_trees(p_R, max_nodes, max_depth)
     choices = []
     for b in batches:
-        cands = [score(Shape("off", None, 1.0), b, verify_s, draft_s)]
-        cands += [score(s, b, verify_s, draft_s) for s in chains]
+        cands = [score(Shape("off", None, 1.0), b, verify_s, draft_s, plain_s)]
+        cands += [score(s, b, verify_s, draft_s, plain_s) for s in chains]
         if tree_ok:
-            tree = _best_tree_at(table, b, verify_s, draft_s, p_R)
+            tree = _best_tree_at(table, b, verify_s, draft_s, p_R, plain_s)
             if all(c.shape.spec != tree.shape.spec for c in cands):  # the DP's best may be one of the chains
                 cands.append(tree)
         cands.sort(key=lambda s: -s.speedup)
@@ -323,21 +333,22 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
     return choices
 
 
-def _best_tree_at(table: TreeTable, batch: int, verify_s, draft_s, p_R: np.ndarray) -> Scored:
+def _best_tree_at(table: TreeTable, batch: int, verify_s, draft_s, p_R: np.ndarray, plain_s=None) -> Scored:
     """Scan every (budget, depth) cell of the DP table, then rebuild and rescore the winner as it really is."""
-    plain = verify_s(batch, 1)
+    plain = plain_step(verify_s, plain_s, batch)
     verify_N = np.array([np.inf, np.inf] + [verify_s(batch, n) for n in range(2, table.max_nodes + 1)])
     draft_D = np.array([draft_s(batch, d) for d in range(table.max_depth + 1)])
     speed_ND = table.tau_ND * plain / (verify_N[:, None] + draft_D[None, :])
     speed_ND[:, 0] = -np.inf
     n, d = np.unravel_index(np.argmax(speed_ND), speed_ND.shape)
     spec = table.tree(int(n), int(d))  # may use fewer nodes / levels than the cell: score it as built
-    return score(shape_of(spec, p_R), batch, verify_s, draft_s)
+    return score(shape_of(spec, p_R), batch, verify_s, draft_s, plain_s)
 
 
-def shape_curve(shapes: Sequence[Shape], batches: Sequence[int], verify_s, draft_s) -> dict[str, list[float]]:
+def shape_curve(shapes: Sequence[Shape], batches: Sequence[int], verify_s, draft_s,
+                plain_s=None) -> dict[str, list[float]]:
     """Predicted speedup of fixed shapes at each batch size (for plots and tables)."""
-    return {s.label: [score(s, b, verify_s, draft_s).speedup for b in batches] for s in shapes}
+    return {s.label: [score(s, b, verify_s, draft_s, plain_s).speedup for b in batches] for s in shapes}
 
 
 def format_plan(choices: Sequence[Choice]) -> str:
@@ -399,7 +410,10 @@ def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
 CALIBRATION_TOKENS = 32
-_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: (drafter params, spec, info)}
+# "auto" speculates only when the prediction beats plain decoding by this much: measured cost models on a
+# shared machine are off by several percent, and a near-tie is not worth the risk of running slower.
+AUTO_MIN_GAIN = 0.05
+_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: (drafter params, spec, info, cost)}
 
 
 def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_token_id,
@@ -407,12 +421,13 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     """The draft shape for this call: a cached plan for (target, drafter, batch bucket), else one made now.
 
     Making one: a short calibration run on these prompts (a 4,2,1,1 tree, or a chain of 4 when
-    trees=False or the drafter proposes chains only), then `plan` at this batch bucket with the
-    cost model of `profile.cost_for_run` ($SPECJAX_PROFILE, else this device's roofline). Returns
-    (None for "off", or the TreeSpec) and the record that goes into out.stats["plan"].
+    trees=False or the drafter proposes chains only), a chain of 4 timed next to plain decoding on the same prompts,
+    then `plan` at this batch bucket with the cost model of `profile.cost_for_run` (pass costs measured
+    here, or $SPECJAX_PROFILE; plain steps and per-round overheads as measured). Returns (None for
+    "off", or the TreeSpec) and the record that goes into out.stats["plan"].
     """
     global _AUTO_PLANS
-    from .calibration import calibrate
+    from .calibration import calibrate, run_times
     from .profile import cost_for_run
     from .request import bucket, prompt_ids
 
@@ -427,18 +442,36 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     if hit is not None and hit[0] is drafter.params:
         return hit[1], {**hit[2], "cached": True}
     spec = kary(CALIBRATION_TREE) if trees else chain(CALIBRATION_CHAIN)
-    cal = calibrate(target, drafter, prompts, spec, max_new_tokens=min(CALIBRATION_TOKENS, max_new_tokens),
-                    sampling=sampling, seed=seed, eos_token_id=eos_token_id)
+    run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
+           "eos_token_id": eos_token_id}
+    cal = calibrate(target, drafter, prompts, spec, **run)
     context = max(len(r) for r in ids) + max_new_tokens // 2
-    cost = cost_for_run(target.cfg, drafter, context)
-    choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees)[0]
+    # Round overheads are timed on a chain, whose drafting the profile's draft_s(batch, depth) models exactly.
+    times = run_times(target, drafter, prompts, chain(CALIBRATION_CHAIN), **run)
+    cost = cost_for_run(target, drafter, batch, context, times)
+    choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees,
+                  plain_s=cost.plain_s)[0]
     chosen = choice.best.shape
+    if choice.best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
+        chosen = Shape("off", None, 1.0)
     info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch,
-            "predicted_tau": chosen.tau, "predicted_speedup": choice.best.speedup,
+            "predicted_tau": chosen.tau, "predicted_speedup": choice.best.speedup if chosen.spec else 1.0,
+            "best_predicted": choice.best.shape.label, "best_predicted_speedup": choice.best.speedup,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
             "p_rank": list(cal.p_rank), "calibration_shape": spec.num_nodes,
             "calibration_tau_measured": cal.measured_tau, "calibration_tau_predicted": cal.predicted_tau,
             "cost": cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
-    plans[key] = (drafter.params, chosen.spec, info)
+    plans[key] = (drafter.params, chosen.spec, info, cost)
     return chosen.spec, info
+
+
+def auto_cost(target, drafter, batch: int):
+    """The cost model (profile.CostModel) the last "auto" plan for (target, drafter, batch bucket) used, or None.
+
+    For benchmarks that put the planner's predictions for every shape next to measurements.
+    """
+    for (d, b, _, _), (params, _, _, cost) in ((_AUTO_PLANS or {}).get(target) or {}).items():
+        if d == drafter and b == batch and params is drafter.params:
+            return cost
+    return None

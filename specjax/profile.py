@@ -69,11 +69,13 @@ def device_spec(name: str) -> DeviceSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """verify_s(batch, nodes): one verify round; draft_s(batch, depth): one round's drafting. Seconds."""
+    """verify_s(batch, nodes): one verify round; draft_s(batch, depth): the rest of a round (drafting, loop
+    bookkeeping); plain_s(batch): one plain decoding step when measured (None: verify_s(batch, 1)). Seconds."""
 
     verify_s: Callable[[int, int], float]
     draft_s: Callable[[int, int], float]
     source: str
+    plain_s: Callable[[int], float] | None = None
 
 
 # ---------------------------------------------------------------- roofline
@@ -164,11 +166,47 @@ def profile_key_for(cfg, path: str | Path) -> str | None:
     return key if key in (json.loads(path.read_text()).get("profiles") or {}) else None
 
 
-def cost_for_run(target_cfg, drafter, cache_len: int) -> CostModel:
-    """The cost model `generate(..., "auto")` uses: $SPECJAX_PROFILE (a profile JSON) when set, else this
-    device's roofline."""
-    path = os.environ.get("SPECJAX_PROFILE")
-    return cost_model(path if path else local_device(), target_cfg, drafter, cache_len, None)
+@dataclasses.dataclass(frozen=True)
+class RunTimes:
+    """Seconds per loop iteration measured on the user's own prompts: plain decoding, and speculative rounds
+    of the calibration shape (nodes, depth)."""
+
+    plain_step_s: float
+    spec_round_s: float
+    spec_nodes: int
+    spec_depth: int
+
+
+AUTO_PROFILE_NODES = (1, 4, 16, 64)  # verify passes timed for "auto" (interpolated in between)
+AUTO_PROFILE_DEPTHS = (1, 4)
+
+
+def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | None = None) -> CostModel:
+    """The cost model `generate(..., "auto")` plans one batch bucket with.
+
+    Pass costs: from $SPECJAX_PROFILE (a profile JSON) when set; this device's roofline when it is
+    `roofline`; else measured here and now at this batch (verify passes of AUTO_PROFILE_NODES, and the
+    drafter's propose at AUTO_PROFILE_DEPTHS). With `times`, plain steps cost what
+    they measured, and every round costs what the calibration shape's measured round took beyond its
+    modelled draft + verify (loop bookkeeping, emission, the drafter's update): on a small or
+    overhead-bound model that is most of a round, and ignoring it would over-promise speculation.
+    """
+    setting = os.environ.get("SPECJAX_PROFILE", "")
+    if setting == "roofline":
+        return cost_model(local_device(), target.cfg, drafter, cache_len, None)
+    if setting:
+        base = cost_model(setting, target.cfg, drafter, cache_len, None)
+    else:
+        prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), AUTO_PROFILE_DEPTHS,
+                       repeats=3)
+        base = prof.cost(cache_len)
+    if times is None:
+        return base
+    modelled = base.verify_s(batch, times.spec_nodes) + base.draft_s(batch, times.spec_depth)
+    overhead = max(0.0, times.spec_round_s - modelled)
+    return CostModel(base.verify_s, lambda b, d: base.draft_s(b, d) + overhead, f"{base.source}; measured here: "
+                     f"plain step {times.plain_step_s * 1e3:.2f} ms, round overhead {overhead * 1e3:.2f} ms",
+                     lambda b: times.plain_step_s)
 
 
 # ---------------------------------------------------------------- measured profile

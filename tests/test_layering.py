@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "specjax"
 # Front ends above the API may import generate; nothing below it may.
-ABOVE_GENERATE = {"__init__.py", "cli.py", "demo.py", "bench_spec.py", "bench_ar.py"}
+ABOVE_GENERATE = {"__init__.py", "cli.py", "demo.py", "bench_spec.py", "bench_ar.py", "bench_plan.py"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -307,7 +307,6 @@ def load_script():
     path = Path(__file__).resolve().parent.parent / "scripts" / "load_curve.py"
     spec = importlib.util.spec_from_file_location("load_curve", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["load_curve"] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -316,11 +315,12 @@ def test_tree_replay_accepts_as_the_positional_model_says():
     """Many rows, one shape: measured per-rank acceptance matches alpha (1 - alpha)^r."""
     import specjax
 
-    lc = load_script()
+    from specjax.bench_plan import tree_replay
+
     target = tiny_target(1)
     prompts = np.random.default_rng(0).integers(3, 512, size=(32, 8)).tolist()
     base = specjax.generate(target, prompts, max_new_tokens=40, eos_token_id=[])
-    drafter = lc.tree_replay(base.tokens, 512, 0.6)
+    drafter = tree_replay(base.tokens, 512, 0.6)
     out = specjax.generate(target, prompts, max_new_tokens=40, eos_token_id=[], drafter=drafter, tree=kary([3, 1]))
     assert out.tokens == base.tokens
     cal = calibration.acceptance_from_stats(out.stats, kary([3, 1]))
@@ -349,3 +349,36 @@ def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):
     assert main(["profile", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specjax profile: error:") and err.count("\n") == 1
+
+
+def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, monkeypatch):
+    """A predicted gain below AUTO_MIN_GAIN is a near-tie: "auto" runs plain decoding and says what it passed up."""
+    import specjax
+
+    target, drafter, prompts = tiny_pair
+    near_tie = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1 + planner.AUTO_MIN_GAIN / 2)
+    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], near_tie, None)])
+    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
+    assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["best_predicted"] == "chain:2"
+    assert out.stats["drafter_calls"] == 0
+
+
+def test_measured_run_times_set_the_plain_step_and_the_round_overhead(tiny_pair, tmp_path, monkeypatch):
+    """cost_for_run with measured times: plain steps cost what they measured; every round pays the calibration
+    chain's unexplained time on top of its modelled draft + verify."""
+    from specjax.profile import RunTimes, cost_for_run
+
+    target, drafter, _ = tiny_pair
+    verify = [{"batch": 2, "nodes": n, "cache_len": 64, "seconds": 0.001 * n, "all_seconds": []} for n in (1, 8)]
+    propose = [{"batch": 2, "depth": d, "seconds": 0.0005 * d, "all_seconds": []} for d in (1, 4)]
+    path = save_profile(Profile("cpu", "m", "float32", verify, propose), tmp_path / "p.json")
+    monkeypatch.setenv("SPECJAX_PROFILE", str(path))
+    base = cost_for_run(target, drafter, 2, 64)
+    assert base.plain_s is None and base.verify_s(2, 5) == pytest.approx(0.005)
+    cost = cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, 0.005 + 0.002 + 0.003, 5, 4))
+    assert cost.plain_s(2) == 0.0015
+    assert cost.draft_s(2, 1) == pytest.approx(0.0005 + 0.003)  # the 3 ms nobody modelled, on every round
+    assert "round overhead 3.00 ms" in cost.source
+    # Too fast a measurement never gives a negative overhead.
+    assert cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, 0.001, 5, 4)).draft_s(2, 1) == pytest.approx(0.0005)

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Does the planner pick well on this machine? Its picks against every measured shape, per batch size.
+
+    python scripts/plan_check.py --out runs/plan_check.json
+
+For the embedded target (checkpoints/tiny/target) with three drafters — the embedded draft model,
+and the tree replay drafter (specjax/bench_plan.py) at acceptance 0.6 and 0.9 — and batch sizes
+1, 4, 16, 64 (the manifest's held-out prompts, repeated to fill the batch; greedy; EOS off):
+plain decoding, chains of 1..8, the DP's trees of 8, 16 and 32 nodes for the drafter's calibrated
+acceptance, and `generate(..., tree="auto")` (planned at warm-up: calibration run, timing of plain
+and speculative rounds, pass costs measured here, see specjax/planner.py auto_shape). Every
+configuration is checked equal to plain decoding, then measured interleaved over --repeats; the
+table gives each shape's measured speedup next to the planner's prediction (its own cost model),
+and per batch the pick against the best measured shape.
+
+The acceptance bar (issue 11): the pick within 5% of the best measured shape (pick / best >= 0.95)
+and "auto" never below 0.98x plain decoding. Both are printed per cell, with the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specjax import generate, load, load_drafter
+from specjax.bench_ar import machine_info
+from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for, tree_replay
+from specjax.calibration import calibrate
+from specjax.planner import CALIBRATION_TREE, auto_cost
+from specjax.tree import kary
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "checkpoints" / "tiny"
+
+
+def held_out_prompts(count: int) -> list[str]:
+    """The manifest's held-out prompts, repeated in order to fill `count` rows."""
+    texts = [p["text"] for p in json.loads((TINY / "manifest.json").read_text())["held_out_prompts"]]
+    return [texts[i % len(texts)] for i in range(count)]
+
+
+def make_drafter(name: str, target, prompts: list[str], max_new_tokens: int):
+    """'draft' (the embedded draft model) or 'replay:ALPHA' (tree replay of plain decoding's continuation)."""
+    if name == "draft":
+        return load_drafter(TINY / "draft", target)
+    alpha = float(name.split(":", 1)[1])
+    base = generate(target, prompts, max_new_tokens=max_new_tokens, eos_token_id=[])
+    return tree_replay(base.tokens, target.cfg.vocab_size, alpha)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", default="draft,replay:0.6,replay:0.9")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--chains", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--trees", default="8,16,32", help="DP tree budgets (nodes, root included)")
+    ap.add_argument("--max-depth", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="runs/plan_check.json")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    target = load(TINY / "target")
+    result = {"script": "scripts/plan_check.py", "argv": sys.argv[1:] if argv is None else list(argv),
+              "machine": machine_info(), "drafters": {}}
+    texts, ok = [], True
+    for name in args.drafters.split(","):
+        rows, picks = [], {}
+        for b in ints(args.batches):
+            prompts = held_out_prompts(b)
+            drafter = make_drafter(name, target, prompts, args.max_new_tokens)
+            if b == ints(args.batches)[0]:  # acceptance is the drafter's, not the batch's: one calibration
+                p = calibrate(target, drafter, prompts, kary(CALIBRATION_TREE), max_new_tokens=32).p_rank
+                shapes = shapes_for(p, ints(args.chains), ints(args.trees), args.max_depth)
+                log(f"{name}: calibrated p {[round(x, 3) for x in p]}; shapes {[s.label for s in shapes]}")
+            batch_rows = measure_shapes(target, prompts, drafter, shapes, max_new_tokens=args.max_new_tokens,
+                                        repeats=args.repeats, batch=b, auto="tree", log=log)
+            add_predictions(batch_rows, shapes, auto_cost(target, drafter, b))
+            rows += batch_rows
+            picks |= pick_summary(batch_rows, {b: "auto"})
+        for b, k in picks.items():
+            auto = next(r for r in rows if r["batch"] == b and r["shape"] == "auto")
+            k["auto_vs_plain"], k["auto_vs_plain_min"] = auto["speedup"], auto["speedup_min"]
+            k["pass"] = k["pick_vs_best"] >= 0.95 and k["auto_vs_plain"] >= 0.98
+            ok &= k["pass"]
+        text = f"### {name}\n\n" + format_table(rows, picks)
+        texts.append(text)
+        print(text, flush=True)
+        result["drafters"][name] = {"rows": rows, "picks": picks, "table": text}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    summary = ["| drafter | batch | pick | pick / best | auto / plain (min) | within bar |", "|---|---|---|---|---|---|"]
+    for name, d in result["drafters"].items():
+        for b, k in d["picks"].items():
+            summary.append(f"| {name} | {b} | {k['pick']} | {k['pick_vs_best']:.2f} | {k['auto_vs_plain']:.2f}x "
+                           f"({k['auto_vs_plain_min']:.2f}) | {'yes' if k['pass'] else 'NO'} |")
+    result["summary"] = "\n".join(summary)
+    print(result["summary"])
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    log(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

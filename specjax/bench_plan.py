@@ -1,0 +1,224 @@
+"""Measured speedup of draft shapes next to the planner's predictions: the harness behind
+scripts/load_curve.py (the load curve on a random target) and scripts/plan_check.py (the planner's
+picks on the embedded pair and the replay drafter).
+
+Every configuration is compiled and checked equal to plain greedy decoding first; then each
+repeat runs every configuration once, in an order rotated every repeat (interleaved, so drift on a
+shared machine hits all alike). Speedup = tokens/s over the same repeat's plain decoding; medians
+and the min..max spread are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .drafters.base import PrefillContext, Settings
+from .generate import generate
+from .planner import best_trees, score, shape_of
+from .request import bucket
+from .sampling import split_rows, uniform_rows
+from .tree import chain, child_ranks, spec_arrays
+from .verify import Draft, Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeReplayDrafter:
+    """Benchmarking drafter: replays a reference continuation into any static tree at positional acceptance
+    alpha (1 - alpha)^r by child rank. params: {"reference": int32 [B, M], "alpha": float32 []}."""
+
+    vocab_size: int
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    settings: Settings | None = None
+    name: str = "tree-replay"
+    feature_layers: tuple[int, ...] = ()
+
+    def configure(self, settings: Settings) -> "TreeReplayDrafter":
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return 0
+
+    def init(self, params, ctx: PrefillContext):
+        if params["reference"].shape[0] != ctx.prompt.shape[0]:
+            raise ValueError(f"reference has {params['reference'].shape[0]} rows, the padded batch "
+                             f"{ctx.prompt.shape[0]}: build it from plain decoding of these prompts")
+        return jnp.ones((ctx.prompt.shape[0],), jnp.int32)  # reference index of the token after the root
+
+    def propose(self, params, state, root_B, keys_B):
+        spec = self.settings.tree
+        ref_BM, alpha = params["reference"], params["alpha"]
+        b, m = ref_BM.shape
+        n, depth, ranks = spec.num_nodes, spec.depths, child_ranks(spec)
+        idx_BD = state[:, None] + jnp.arange(max(spec.max_depth, 1))[None, :]
+        true_BD = jnp.take_along_axis(ref_BM, jnp.clip(idx_BD, 0, m - 1), axis=1)
+        k_rank_B, k_tok_B = split_rows(keys_B, 2)
+        u_BN = uniform_rows(k_rank_B, (b, n))
+        # Rank of the true token among each node's children: geometric, P(R = r) = alpha (1 - alpha)^r.
+        log_miss = jnp.log1p(-jnp.minimum(alpha, 1.0 - 1e-7))
+        true_rank_BN = jnp.where(alpha > 0, jnp.floor(jnp.log(jnp.maximum(u_BN, 1e-30)) / log_miss), 1e6)
+        offset_BN = jax.vmap(lambda k: jax.random.randint(k, (n,), 1, self.vocab_size))(k_tok_B)
+        cols = [root_B]
+        for i in range(1, n):
+            truth_B = true_BD[:, depth[i] - 1]
+            hit_B = true_rank_BN[:, spec.parents[i]] == ranks[i]
+            cols.append(jnp.where(hit_B, truth_B, (truth_B + offset_BN[:, i]) % self.vocab_size))
+        tokens_BN = jnp.stack(cols, axis=1).astype(jnp.int32)
+        valid_BN = (state[:, None] + jnp.asarray(depth)[None, :] - 1 < m) | (jnp.arange(n) == 0)[None, :]
+        return Draft(tokens_BN, spec_arrays(spec, b), valid_BN), state
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        return state + verdict.num_accepted
+
+
+def tree_replay(continuations: list[list[int]], vocab: int, alpha: float) -> TreeReplayDrafter:
+    rows, width = bucket(len(continuations), minimum=1), max(1, max(len(c) for c in continuations))
+    ref = np.zeros((rows, width), np.int32)
+    for i, c in enumerate(continuations):
+        ref[i, : len(c)] = c
+    return TreeReplayDrafter(vocab, params={"reference": jnp.asarray(ref), "alpha": jnp.float32(alpha)})
+
+
+# ---------------------------------------------------------------- the measurement
+
+
+def shapes_for(p, chains: list[int], trees: list[int], max_depth: int) -> list:
+    table = best_trees(p, max(trees + [2]), max_depth)
+    out = [shape_of(None, p)] + [shape_of(chain(k), p) for k in chains] + [shape_of(table.tree(n), p) for n in trees]
+    seen, unique = set(), []
+    for s in out:
+        if s.spec not in seen:
+            seen.add(s.spec)
+            unique.append(s)
+    return unique
+
+
+def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_tokens: int, repeats: int,
+                   batch: int, auto: str | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Measure plain decoding ("off" must be among `shapes`) and every shape on these prompts, interleaved.
+
+    auto: "tree" or "num_draft_tokens" adds the row `generate(..., <auto>="auto")` (planned at warm-up, then
+    run with its cached plan) labelled "auto", with the plan in row["plan"]. EOS is off (every row decodes
+    max_new_tokens). Returns one row per configuration: measured tau, median tokens/s, and speedup over the
+    same repeat's plain decoding (median, min, max).
+    """
+    kw = {"max_new_tokens": max_new_tokens, "eos_token_id": []}
+    base = generate(target, prompts, **kw)
+    runs = {s.label: (s, (lambda s=s: generate(target, prompts, **kw) if s.kind == "off" else
+                          generate(target, prompts, drafter=drafter, tree=s.spec, **kw))) for s in shapes}
+    if auto:
+        runs["auto"] = (None, lambda: generate(target, prompts, drafter=drafter, **{auto: "auto"}, **kw))
+    taus, plans = {}, {}
+    for label, (_, run) in runs.items():  # warm-up: compile (and plan), check equality with plain decoding
+        out = run()
+        if out.tokens != base.tokens:
+            raise RuntimeError(f"{label} at batch {batch} differs from plain decoding (fp32 greedy must match)")
+        taus[label], plans[label] = out.stats["acceptance_length"], out.stats.get("plan")
+    labels = list(runs)
+    tps = {label: [] for label in labels}
+    for r in range(repeats):
+        for j in range(len(labels)):
+            label = labels[(j + r) % len(labels)]
+            tps[label].append(runs[label][1]().stats["tokens_per_s"])
+    rows = []
+    for label in labels:
+        shape = runs[label][0]
+        ratios = [a / b for a, b in zip(tps[label], tps["off"])]
+        plan = plans[label] if label == "auto" else None
+        rows.append({"batch": batch, "shape": label, "kind": "auto" if shape is None else shape.kind,
+                     "nodes": shape.nodes if shape else len(plan.get("parents") or [0]),
+                     "depth": None if shape is None else shape.depth,
+                     "tau_measured": taus[label], "tau_predicted": plan["predicted_tau"] if plan else shape.tau,
+                     "tokens_per_s": statistics.median(tps[label]), "tokens_per_s_all": tps[label],
+                     "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+                     "plan": plan})
+        what = f"auto -> {plan['shape']}" if plan else label
+        log(f"batch {batch:4d} {what:<24} tau {taus[label]:5.2f} (model {rows[-1]['tau_predicted']:5.2f})  speedup "
+            f"{rows[-1]['speedup']:5.2f}x [{min(ratios):.2f}..{max(ratios):.2f}]")
+    return rows
+
+
+def add_predictions(rows: list[dict], shapes: list, cost) -> None:
+    """Each fixed shape's predicted speedup under `cost` (a profile.CostModel) and the relative error."""
+    by_label = {s.label: s for s in shapes}
+    for r in rows:
+        if r["shape"] in by_label:
+            r["speedup_predicted"] = score(by_label[r["shape"]], r["batch"], cost.verify_s, cost.draft_s,
+                                           cost.plain_s).speedup
+        elif r.get("plan"):
+            r["speedup_predicted"] = r["plan"]["predicted_speedup"]
+        else:
+            continue
+        r["error"] = r["speedup_predicted"] / r["speedup"] - 1
+
+
+def pick_summary(rows: list[dict], picks: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """Per batch: the planner's pick (a row's label) against the best measured fixed shape."""
+    out = {}
+    for b, label in picks.items():
+        measured = [r for r in rows if r["batch"] == b]
+        best = max((r for r in measured if r["kind"] != "auto"), key=lambda r: r["speedup"])
+        mine = next(r for r in measured if r["shape"] == label)
+        shape = mine["plan"]["shape"] if mine.get("plan") else label
+        out[b] = {"pick": shape, "pick_predicted": mine.get("speedup_predicted"), "pick_measured": mine["speedup"],
+                  "best_measured_shape": best["shape"], "best_measured": best["speedup"],
+                  "pick_vs_best": mine["speedup"] / best["speedup"]}
+    return out
+
+
+def format_table(rows: list[dict], picks: dict) -> str:
+    """Markdown: every measured row with its prediction, then the planner's pick per batch against the best."""
+    pct = lambda x: "" if x is None else f"{x:+.0%}"  # noqa: E731
+    times = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+    lines = ["| batch | shape | tau meas. | tau model | speedup meas. (min..max) | predicted | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = f"auto ({r['plan']['shape']})" if r.get("plan") else r["shape"]
+        lines.append(f"| {r['batch']} | {label} | {r['tau_measured']:.2f} | {r['tau_predicted']:.2f} | "
+                     f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f}) | "
+                     f"{times(r.get('speedup_predicted'))} | {pct(r.get('error'))} |")
+    lines += ["", "| batch | planner's pick | predicted | measured | best measured | pick / best |",
+              "|---|---|---|---|---|---|"]
+    for b, k in picks.items():
+        lines.append(f"| {b} | {k['pick']} | {times(k['pick_predicted'])} | {k['pick_measured']:.2f}x | "
+                     f"{k['best_measured_shape']} {k['best_measured']:.2f}x | {k['pick_vs_best']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.get_cmap("tab10").colors
+    for i, label in enumerate(dict.fromkeys(r["shape"] for r in rows if "speedup_predicted" in r)):
+        rs = [r for r in rows if r["shape"] == label]
+        xs = [r["batch"] for r in rs]
+        ys = [r["speedup"] for r in rs]
+        err = [[y - r["speedup_min"] for y, r in zip(ys, rs)], [r["speedup_max"] - y for y, r in zip(ys, rs)]]
+        c = colors[i % 10]
+        ax.errorbar(xs, ys, yerr=err, color=c, marker="o", capsize=3, label=f"{label} measured")
+        ax.plot(xs, [r["speedup_predicted"] for r in rs], color=c, linestyle="--", alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("\n".join(textwrap.wrap(title + "; solid: measured (min..max), dashed: predicted", 110)), fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,24 @@
+"""`generate` without a drafter: the plain loop's request path (prepare, compile once per shape, run, finish).
+
+The counterpart of `speculative.speculative_generate`, below the API so that the planner can time
+plain decoding on a user's prompts without importing `generate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .config import SamplingConfig
+from .decode import ar_generate
+from .request import GenerateOutput, finish, prepare, run_compiled
+from .target import Target
+
+
+def plain_generate(target: Target, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingConfig, seed,
+                   eos_token_id, max_len: int | None, extra: dict[str, Any] | None = None) -> GenerateOutput:
+    """Plain autoregressive decoding of every prompt; `extra` is merged into out.stats."""
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed)
+    (out_BO, count_B, steps), compile_s, run_s = run_compiled(
+        target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()), {"lc": req.lc})
+    return finish(target, req, out_BO, count_B, compile_s, run_s,
+                  {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": int(steps), **(extra or {})})
