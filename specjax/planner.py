@@ -441,16 +441,18 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     hit = plans.get(key)
     if hit is not None and hit[0] is drafter.params:
         return hit[1], {**hit[2], "cached": True}
-    spec = kary(CALIBRATION_TREE) if trees else chain(CALIBRATION_CHAIN)
+    # Block drafters (DFlash, DSpark) draft at most one block per round: chains never longer than that.
+    max_chain = min(16, getattr(drafter, "max_draft_tokens", 16))
+    spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
     run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
            "eos_token_id": eos_token_id}
     cal = calibrate(target, drafter, prompts, spec, **run)
     context = max(len(r) for r in ids) + max_new_tokens // 2
     # Round overheads are timed on a chain, whose drafting the profile's draft_s(batch, depth) models exactly.
-    times = run_times(target, drafter, prompts, chain(CALIBRATION_CHAIN), **run)
+    times = run_times(target, drafter, prompts, chain(min(CALIBRATION_CHAIN, max_chain)), **run)
     cost = cost_for_run(target, drafter, batch, context, times)
     choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees,
-                  plain_s=cost.plain_s)[0]
+                  max_chain=max_chain, plain_s=cost.plain_s)[0]
     chosen = choice.best.shape
     if choice.best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
         chosen = Shape("off", None, 1.0)

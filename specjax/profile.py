@@ -197,8 +197,9 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
     if setting:
         base = cost_model(setting, target.cfg, drafter, cache_len, None)
     else:
-        prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), AUTO_PROFILE_DEPTHS,
-                       repeats=3)
+        longest = getattr(drafter, "max_draft_tokens", max(AUTO_PROFILE_DEPTHS))  # block drafters: one block
+        depths = tuple(sorted({min(d, longest) for d in AUTO_PROFILE_DEPTHS}))
+        prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), depths, repeats=3)
         base = prof.cost(cache_len)
     if times is None:
         return base

@@ -5,20 +5,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..convert.dflash import is_dflash_config
+from ..convert.dspark import is_dspark_config
 from ..convert.mtp import is_mtp_only, read_mtp_only_dir
 from .base import Drafter, PrefillContext, Settings
+from .dflash import DFlashDrafter, dflash_drafter
 from .draft_model import DraftModelDrafter
+from .dspark import DSparkDrafter, dspark_drafter
 from .eagle3 import Eagle3Drafter, eagle3_drafter
 from .mtp import MtpDrafter, mtp_drafter
 from .ngram import NgramDrafter
 from .replay import ReplayDrafter, replay_drafter
 
-__all__ = ["Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter", "NgramDrafter", "PrefillContext",
-           "ReplayDrafter", "Settings", "drafter_family", "load_drafter", "mtp_drafter", "replay_drafter"]
+__all__ = ["DFlashDrafter", "DSparkDrafter", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter",
+           "NgramDrafter", "PrefillContext", "ReplayDrafter", "Settings", "dflash_drafter", "drafter_family",
+           "dspark_drafter", "load_drafter", "mtp_drafter", "replay_drafter"]
 
 
 def drafter_family(path: str | Path) -> str:
-    """'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
+    """'dspark', 'dflash', 'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
+
+    DeepSpec DSpark drafters (and DeepSpec's DFlash ones, the same class with markov_rank 0) say so by
+    the Qwen3DSparkModel architecture (or DSpark's config fields).
+
+    DFlash drafters (z-lab) say so by the DFlashDraftModel architecture or a `dflash_config`.
 
     EAGLE-3 heads say so by an `eagle_config`, an architecture named *Eagle3 (SpecForge) or a
     `draft_vocab_size` (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer).
@@ -29,6 +39,10 @@ def drafter_family(path: str | Path) -> str:
         raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
     hf = json.loads(config.read_text())
     archs = hf.get("architectures") or []
+    if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
+        return "dspark"
+    if is_dflash_config(hf):
+        return "dflash"
     if "eagle_config" in hf or "draft_vocab_size" in hf or any("eagle3" in a.lower() for a in archs):
         return "eagle3"
     if is_mtp_only(hf):
@@ -39,6 +53,11 @@ def drafter_family(path: str | Path) -> str:
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None) -> Drafter:
     """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
+    - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
+      becomes a `DSparkDrafter` with its own embedding and lm_head copies; hidden size, vocabulary, block,
+      mask token and tap layers are checked against the target.
+    - A z-lab DFlash drafter becomes a `DFlashDrafter` reading the target's features and using its
+      embedding and lm_head; hidden size, vocabulary, mask token and tap layers are checked.
     - An EAGLE-3 head (SafeAILab or SpecForge format) becomes an `Eagle3Drafter` reading the
       target's features; hidden size, vocabulary, d2t and tap layers are checked against the target.
     - The target's own directory, when its checkpoint carries MTP layers (or `mtp=True`), gives
@@ -52,6 +71,10 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     from ..target import load
 
     family = drafter_family(path)
+    if family == "dspark":
+        return dspark_drafter(path, target, attn_impl=attn_impl)
+    if family == "dflash":
+        return dflash_drafter(path, target, attn_impl=attn_impl)
     if family == "eagle3":
         return eagle3_drafter(path, target, attn_impl=attn_impl)
     if family == "mtp":

@@ -1,0 +1,324 @@
+"""DFlash (z-lab/dflash): a block-diffusion drafter that guesses a whole block in one pass.
+
+Math (z-lab/dflash `DFlashDraftModel`, written in specjax's terms). The target's hidden states
+at n tap layers are the drafter's context:
+
+    c_p = hidden_norm(fc(concat(g_p^(1), ..., g_p^(n))))          n*H -> H, no bias, per position p
+
+A block of K = block_size rows starts at position P (the first position the target has not
+seen): row 0 is the anchor (the last chosen token, the loop's root), rows 1..K-1 the MASK token,
+embedded with the target's own table. Each of the drafter's L decoder layers (Qwen3-style:
+q/k RMSNorm per head, rotate-half RoPE, SwiGLU MLP) runs the block rows as usual
+(input_layernorm, q/k/v), but its keys and values are the context rows 0..P-1 followed by the
+block rows, and there is no causal mask: every block row sees the whole context and the whole
+block. The context rows are projected by every layer with that layer's own wk / wv, k_norm and
+RoPE at the context token's own position, with no input_layernorm (c_p is already normed), and
+the same c_p feeds every layer. After the last layer the final norm, then the target's lm_head:
+
+    block row j (1 <= j <= K-1) at position P + j predicts the token at P + j.
+
+So one pass gives K-1 guesses; specjax drafts the chain of their argmaxes (deterministic, q None:
+lossless under any sampling with the standard verifier).
+
+Tap numbering: the original names taps by `target_layer_ids` and reads Hugging Face
+`hidden_states[id + 1]` (the output of layer id). specjax's `feature_layers` use HF numbering
+directly, so `feature_layers = tuple(id + 1 for id in target_layer_ids)`. HF's last hidden state
+is already final-normed while specjax's capture of layer L is pre-norm, so a tap of the target's
+last layer (id = L - 1) is refused at load time (convert/dflash.py); the original never uses one.
+
+Cache protocol. The drafter keeps its own per-layer KV cache whose committed rows 0..P-1 hold
+the context K/V (never block K/V); its `lengths` equal the target's. Each round:
+  propose  writes the block's K/V provisionally at P..P+K-1 (beyond `lengths`, never read
+           later), attends, and reads rows 1..k of the block for k drafts;
+  update   projects only the newly accepted tokens' features (the root and the accepted drafts,
+           taken from the verify pass at the accepted path's nodes) into rows P..P+a-1 and
+           advances `lengths` by a. The prefix is never projected again.
+This is what the original's `spec_generate` does with `DynamicCache.crop(start)` after each
+draft pass and the accepted tokens' hidden states fed as next round's `target_hidden`.
+The cache has `block_size` (rounded up to 16) rows more than the target's, so a block near the
+end of the target's cache still has every row (the block is non-causal: a dropped row would
+change the others).
+
+Params ([in, out] matrices, as everywhere in specjax):
+    fc [n*H, H]; hidden_norm [H]; final_norm [H];
+    layers: the decoder's layer keys (`models.decoder.param_shapes(cfg.layers)["layers"]`:
+            attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down and
+            bq/bk/bv with attention_bias), stacked on a leading axis L, or a tuple of per-layer
+            dicts (the CPU layout, `decoder.unstack_layers`); the cache follows the same layout.
+The DFlashDrafter adds the target's `embed` [V, H] and, for an untied target, `lm_head` [H, V]
+(the same arrays, not copies). The block functions below never touch embed / lm_head, so a
+drafter with its own copies (DSpark) calls them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..cache import KVCache, init_cache, write_layer
+from ..config import ModelConfig
+from ..models.decoder import (attn_out_and_mlp, cached_attention, has_layer_list, param_shapes as decoder_shapes,
+                              project_qkv, qkv, rms_norm, rope_inv_freq, run_layers, unstack_layers)
+from ..tree import spec_arrays
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings, require_chain
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """A DFlash backbone: its decoder layers, the target taps it reads, the block it drafts (hashable).
+
+    layers: the drafter's decoder layers as a ModelConfig (num_layers = drafter layers; qk_norm as
+        Qwen3; vocab_size the target's, unused by the layers); hidden_size equals the target's.
+    target_layer_ids: the original's tap numbering (context uses HF hidden_states[id + 1]);
+        see `feature_layers` for specjax's (HF) numbering.
+    block_size: rows per block, the anchor included (K - 1 drafts per pass at most).
+    mask_token_id: the token whose embedding fills rows 1..K-1.
+    """
+
+    layers: ModelConfig
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The taps in specjax's Hugging Face hidden_states numbering: id + 1 (the output of layer id)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layers.hidden_size
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+
+# ---- params -------------------------------------------------------------------------------------------------
+
+
+def param_shapes(cfg: BlockConfig) -> dict:
+    """Every block parameter's shape ([in, out] matrices, layers stacked on L); what conversion checks."""
+    h = cfg.hidden_size
+    return {"fc": (cfg.num_taps * h, h), "hidden_norm": (h,), "final_norm": (h,),
+            "layers": decoder_shapes(cfg.layers)["layers"]}
+
+
+def init_params(cfg: BlockConfig, key: jax.Array) -> dict:
+    """Random block params (stacked layers) for tests: norms ~ 1 + 0.1 N(0,1), matrices ~ N(0, 1/fan_in)."""
+    dtype = jnp.dtype(cfg.layers.dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+
+    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
+        if "norm" in name:
+            return (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
+        if name in ("bq", "bk", "bv"):
+            return (0.1 * jax.random.normal(k, shape)).astype(dtype)
+        return (shape[-2] ** -0.5 * jax.random.normal(k, shape)).astype(dtype)
+
+    return jax.tree_util.tree_unflatten(treedef, [make(path[-1].key, shape, k)
+                                                  for (path, shape), k in zip(leaves, keys)])
+
+
+def init_block_cache(cfg: BlockConfig, batch: int, max_len: int, per_layer: bool = True) -> KVCache:
+    """The drafter's own KV cache, lengths 0: one [B, S, Hkv, D] buffer per layer, or one stacked [L, ...]."""
+    return init_cache(cfg.layers, batch, max_len, per_layer=per_layer)
+
+
+def block_cache_len(cfg: BlockConfig, target_cache_len: int) -> int:
+    """The drafter cache's length: the target's plus a block (rounded up to 16), so no block row is dropped."""
+    return target_cache_len + -(-cfg.block_size // 16) * 16
+
+
+# ---- the backbone: context, context K/V, block -------------------------------------------------------------
+
+
+def context_features(cfg: BlockConfig, params: dict, features: Sequence[jax.Array]) -> jax.Array:
+    """c = hidden_norm(fc(concat(taps))): [B, T, H] from the n taps [B, T, H] each, in target_layer_ids order."""
+    feats_BTF = jnp.concatenate([f.astype(params["fc"].dtype) for f in features], axis=-1)
+    return rms_norm(feats_BTF @ params["fc"], params["hidden_norm"], cfg.layers.rms_norm_eps)
+
+
+def write_context(cfg: BlockConfig, params: dict, ctx_BTH: jax.Array, cache: KVCache, start_B: jax.Array | None = None,
+                  *, positions_BT: jax.Array | None = None) -> KVCache:
+    """Every layer's context K/V for T context rows, written at cache rows start_B + t (start defaults to lengths).
+
+    Each layer projects the same c (no input_layernorm) with its own wk / wv (+ biases), k_norm and
+    RoPE at positions_BT (default start_B + t: the context tokens' own positions). `lengths` are
+    returned unchanged; the caller advances them by the rows it keeps.
+    """
+    t = ctx_BTH.shape[1]
+    if start_B is None:
+        start_B = cache.lengths
+    if positions_BT is None:
+        positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    inv_freq = rope_inv_freq(cfg.layers.rope, cfg.layers.head_dim)
+
+    def layer_fn(p, i, layer, c_BTH, k_cache, v_cache, extra):
+        _, k_BTKD, v_BTKD = project_qkv(cfg.layers, p, c_BTH, positions_BT, inv_freq)  # q unused: DCE'd under jit
+        return c_BTH, write_layer(k_cache, layer, k_BTKD, start_B), write_layer(v_cache, layer, v_BTKD, start_B), extra
+
+    _, (k, v), _ = run_layers(params, cfg.layers, ctx_BTH, cache, layer_fn)
+    return KVCache(k, v, cache.lengths)
+
+
+def block_hidden(cfg: BlockConfig, params: dict, block_emb_BKH: jax.Array, cache: KVCache,
+                 start_B: jax.Array | None = None, *, attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+    """The block's hidden states after the final norm [B, K, H], and the cache with the block's K/V written.
+
+    The K block rows sit at positions start_B .. start_B + K - 1 (start defaults to `lengths`) and
+    attend, with no causal mask, to the cached context rows [0, start) and to all K block rows.
+    The block's K/V land at cache rows start .. start + K - 1, after the context; `lengths` are
+    unchanged (block rows are never committed). Row k's logits (lm_head of row k) predict the token
+    at start + k (DFlash reads rows 1..K-1; DSpark, whose row 0 is already a guess, reads them all).
+    """
+    b, k_rows, _ = block_emb_BKH.shape
+    if start_B is None:
+        start_B = cache.lengths
+    positions_BK = start_B[:, None] + jnp.arange(k_rows, dtype=jnp.int32)[None, :]
+    everything_BKK = jnp.ones((b, k_rows, k_rows), jnp.bool_)
+    inv_freq = rope_inv_freq(cfg.layers.rope, cfg.layers.head_dim)
+
+    def layer_fn(p, i, layer, h_BKH, k_cache, v_cache, extra):
+        q_BKHD, k_BKGD, v_BKGD = qkv(cfg.layers, p, h_BKH, positions_BK, inv_freq)
+        o_BKHD, k_cache, v_cache = cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, start_B,
+                                                    everything_BKK, attn_impl)
+        return attn_out_and_mlp(cfg.layers, p, h_BKH, o_BKHD), k_cache, v_cache, extra
+
+    h_BKH, (k, v), _ = run_layers(params, cfg.layers, block_emb_BKH.astype(params["fc"].dtype), cache, layer_fn)
+    return rms_norm(h_BKH, params["final_norm"], cfg.layers.rms_norm_eps), KVCache(k, v, cache.lengths)
+
+
+def block_embeddings(cfg: BlockConfig, embed_VH: jax.Array, anchor_B: jax.Array) -> jax.Array:
+    """[B, block_size, H]: the anchor's embedding, then MASK's (embed[mask_token_id]) for the other rows."""
+    ids_BK = jnp.full((anchor_B.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor_B)
+    return embed_VH[ids_BK]
+
+
+def vocab_logits(params: dict, h_BKH: jax.Array) -> jax.Array:
+    """fp32 logits [B, K, V] from final-normed hidden: params' lm_head [H, V], or the tied embed [V, H]."""
+    if "lm_head" in params:
+        return jnp.einsum("bkh,hv->bkv", h_BKH, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bkh,vh->bkv", h_BKH, params["embed"], preferred_element_type=jnp.float32)
+
+
+def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, per_layer: bool) -> dict:
+    """What DFlashDrafter runs: the block params plus the target's embed (and lm_head when untied), in a layout."""
+    block = unstack_layers(block) if per_layer else block
+    params = {**block, "embed": target_params["embed"]}
+    if not tie_word_embeddings:
+        params["lm_head"] = target_params["lm_head"]
+    return params
+
+
+# ---- the drafter: chains -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter:
+    """DFlash behind the Drafter protocol: one block pass per round, a chain of argmax drafts.
+
+    State: the drafter's KVCache (see the module docstring): context K/V at rows 0..P-1, `lengths`
+    equal to the target's. `propose` runs the block [root, MASK x (block_size - 1)] once and takes
+    rows 1..k (k = num_draft_tokens <= block_size - 1; k = block_size - 1, what the original drafts,
+    is the recommended setting: the loop's default chain of 4 uses only part of a 16-row block; the
+    whole block is computed either way, as its rows see each other); drafts are deterministic (q None) under any
+    sampling, and `Draft.confidence` holds each draft's softmax probability under the drafter (root
+    1.0): not a calibrated acceptance rate, but the usual proxy for one. `update` projects only the
+    accepted path's features.
+    params: the block params (stacked or per-layer; the cache follows) plus `embed` and, for an
+    untied target, `lm_head` (the target's arrays; see `dflash_drafter`).
+    """
+
+    cfg: BlockConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    settings: Settings | None = None
+    attn_impl: str = "auto"
+    name: str = "dflash"
+
+    def __repr__(self) -> str:
+        """One line of facts, not the weights."""
+        lc = self.cfg.layers
+        return (f"DFlashDrafter(layers={lc.num_layers}, block_size={self.cfg.block_size}, "
+                f"taps={list(self.cfg.feature_layers)}, hidden={lc.hidden_size}, vocab={lc.vocab_size}, "
+                f"dtype={lc.dtype}, attn_impl={self.attn_impl})")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.layers.vocab_size
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Drafts one block gives: block_size - 1 (the recommended num_draft_tokens)."""
+        return self.cfg.block_size - 1
+
+    def configure(self, settings: Settings) -> "DFlashDrafter":
+        require_chain(self.name, settings)
+        k = settings.tree.num_nodes - 1
+        if k > self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens={k} is more than one DFlash block gives: block_size "
+                             f"{self.cfg.block_size} drafts at most {self.max_draft_tokens} tokens per round; pass "
+                             f"num_draft_tokens <= {self.max_draft_tokens}")
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return 1  # one block pass (update only projects the accepted rows' K/V)
+
+    def _cache(self, params, batch: int) -> KVCache:
+        return init_block_cache(self.cfg, batch, block_cache_len(self.cfg, self.settings.cache_len),
+                                per_layer=has_layer_list(params))
+
+    def init(self, params, ctx: PrefillContext) -> KVCache:
+        b = ctx.prompt.shape[0]
+        cache = self._cache(params, b)
+        cache = write_context(self.cfg, params, context_features(self.cfg, params, ctx.features), cache,
+                              jnp.zeros((b,), jnp.int32))
+        return KVCache(cache.k, cache.v, ctx.prompt_len)
+
+    def propose(self, params, state: KVCache, root_B, keys_B):
+        del keys_B  # argmax drafts under any sampling
+        k = self.settings.tree.num_nodes - 1
+        b = root_B.shape[0]
+        h_BKH, cache = block_hidden(self.cfg, params, block_embeddings(self.cfg, params["embed"], root_B), state,
+                                    attn_impl=self.attn_impl)
+        logits_BkV = vocab_logits(params, h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
+        drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)
+        prob_Bk = jnp.take_along_axis(jax.nn.softmax(logits_BkV, axis=-1), drafts_Bk[:, :, None], axis=-1)[..., 0]
+        tokens_BN = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_Bk], axis=1)
+        confidence_BN = jnp.concatenate([jnp.ones((b, 1), jnp.float32), prob_Bk], axis=1)
+        logits = None
+        if self.settings.record_logits:
+            logits = jnp.concatenate([jnp.zeros_like(logits_BkV[:, :1]), logits_BkV], axis=1)
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                      confidence=confidence_BN, logits=logits)
+        return draft, cache
+
+    def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
+        del draft
+        feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
+        cache = write_context(self.cfg, params, context_features(self.cfg, params, feats), state)
+        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+
+
+def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DFlashDrafter:
+    """A DFlashDrafter from a z-lab DFlash checkpoint directory, checked against `target`.
+
+    The drafter uses the target's embed and lm_head (the same arrays, not copies) and the
+    target's layer layout (per-layer on CPU, stacked elsewhere).
+    """
+    from ..convert.dflash import load_dflash  # noqa: PLC0415 (convert imports this module)
+
+    cfg, host = load_dflash(path, target.cfg, dtype or target.cfg.dtype)
+    block = jax.tree.map(jnp.asarray, host)
+    params = drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
+    return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)

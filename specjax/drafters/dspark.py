@@ -1,0 +1,309 @@
+"""DSpark (deepseek-ai/DeepSpec): a DFlash-style block backbone, a Markov step, a confidence head.
+
+Math (DeepSpec's `Qwen3DSparkModel` and its evaluator, written in specjax's terms).
+
+Parallel stage. The backbone is DFlash's (drafters/dflash.py, shared functions): the target's
+hidden states at n taps are the context c_p = hidden_norm(fc(concat(taps))), projected into
+every drafter layer's K/V (no input_layernorm; k_norm and RoPE at the token's own position).
+The block has gamma = block_size rows at positions P .. P + gamma - 1 (P: the first position the
+target has not seen): row 0 is the anchor x_0 (the loop's root), rows 1..gamma-1 MASK, embedded
+with DSpark's own frozen copy of the target's table. No causal mask: every row sees the whole
+context and the whole block. After the final norm, h_k (k = 1..gamma, row k - 1) and
+
+    U_k = lm_head(h_k)        DSpark's own lm_head copy; row k - 1 predicts the token at P + k.
+
+Unlike DFlash, the anchor row is already a guess: one pass gives gamma drafts, not gamma - 1.
+
+Sequential stage (Markov head, `markov_head_type` "vanilla"; rank r > 0):
+
+    logits_k = U_k + W2 W1[x_{k-1}]          W1 [V, r] (an embedding), W2 [V, r] (Linear(r, V))
+
+left to right, x_0 = the anchor, x_k the draft chosen at step k: argmax when greedy; when sampling,
+x_k ~ q_k = the sampling distribution (temperature, top-k, top-p) of logits_k, and q_k rides along
+in the Draft so the standard verifier stays lossless. Markov rank 0 (DeepSpec's
+`dflash_*_block7` checkpoints are this class) has no head: logits_k = U_k.
+
+Confidence head (`enable_confidence_head`): one linear unit on [h_k; W1[x_{k-1}]] (or on h_k alone
+when `confidence_head_with_markov` is false),
+
+    c_k = sigmoid((w . [h_k; W1[x_{k-1}]] + b) / T_k)     = P(draft k accepted | drafts < k accepted)
+
+with h_k the final-normed hidden (the same h that gives U_k) and x_{k-1} the previous *drafted*
+token (the anchor for k = 1). T_k are the sequential-temperature-scaling temperatures
+(drafters/confidence.py; 1 until calibrated). Without a confidence head, `Draft.confidence` holds
+each draft's probability under its own (Markov-adjusted) distribution, DFlash's proxy.
+
+Cost: one backbone pass per round (`calls_per_round` = 1); the Markov step is a gamma-step
+`lax.scan` of a gather and an [r] x [r, V] product, no attention, so it is not counted as a pass.
+
+Cache protocol: DFlash's (see drafters/dflash.py): committed rows 0..P-1 hold context K/V, block
+K/V are written provisionally after them each round, `update` projects only the newly accepted
+tokens' features (the root and the accepted drafts, from the verify pass). This is what the
+original evaluator does with `DynamicCache.crop(start)` and the verified hidden states.
+
+Params ([in, out] matrices):
+    the block params of drafters/dflash.py (fc, hidden_norm, final_norm, layers; stacked or per-layer);
+    embed [V, H], lm_head [H, V]: DSpark's own frozen copies;
+    markov_w1 [V, r], markov_w2 [V, r] (rank > 0);
+    confidence_w [H (+ r)], confidence_b [], confidence_temperature [gamma] (with a confidence head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..cache import KVCache
+from ..models.decoder import has_layer_list, unstack_layers
+from ..sampling import sample_rows, sampling_logprobs, split_rows
+from ..tree import spec_arrays
+from ..verify import Draft, Verdict
+from .base import PrefillContext, Settings, require_chain
+from .dflash import (BlockConfig, block_cache_len, block_embeddings, block_hidden, context_features, init_block_cache,
+                     init_params as init_block_params, vocab_logits, write_context)
+
+MARKOV_HEAD_TYPES = ("vanilla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    """A DSpark drafter's static shape: its backbone and heads (hashable: part of the compiled loop's key).
+
+    markov_rank: r, 0 for no Markov head (the `dflash_*_block7` class).
+    confidence: whether the checkpoint has a confidence head; confidence_with_markov: whether its
+    input is [h_k; W1[x_{k-1}]] (else h_k alone).
+    """
+
+    block: BlockConfig
+    markov_rank: int = 0
+    confidence: bool = False
+    confidence_with_markov: bool = False
+    markov_head_type: str = "vanilla"
+
+    @property
+    def block_size(self) -> int:
+        return self.block.block_size
+
+    @property
+    def confidence_width(self) -> int:
+        """The confidence head's input width: H, plus r with the Markov embedding."""
+        return self.block.hidden_size + (self.markov_rank if self.confidence_with_markov else 0)
+
+
+def param_shapes(cfg: DSparkConfig) -> dict:
+    """Every parameter's shape except the block's (drafters/dflash.param_shapes): what conversion checks."""
+    h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
+    shapes = {"embed": (v, h), "lm_head": (h, v)}
+    if r:
+        shapes |= {"markov_w1": (v, r), "markov_w2": (v, r)}
+    if cfg.confidence:
+        shapes |= {"confidence_w": (cfg.confidence_width,), "confidence_b": (),
+                   "confidence_temperature": (cfg.block_size,)}
+    return shapes
+
+
+def init_params(cfg: DSparkConfig, key: jax.Array, embed: jax.Array | None = None,
+                lm_head: jax.Array | None = None) -> dict:
+    """Random DSpark params for tests (stacked layers): the block's init, unit-scale heads, temperatures 1.
+
+    embed / lm_head default to random tables; pass the target's to copy them as DeepSpec's training does.
+    """
+    dtype = jnp.dtype(cfg.block.layers.dtype)
+    k_block, k_embed, k_head, k_w1, k_w2, k_conf = jax.random.split(key, 6)
+    h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
+    params = dict(init_block_params(cfg.block, k_block))
+    params["embed"] = embed if embed is not None else jax.random.normal(k_embed, (v, h)).astype(dtype)
+    if lm_head is None:
+        lm_head = (h ** -0.5 * jax.random.normal(k_head, (h, v))).astype(dtype)
+    params["lm_head"] = lm_head
+    if r:
+        params["markov_w1"] = (2.0 * r ** -0.5 * jax.random.normal(k_w1, (v, r))).astype(dtype)
+        params["markov_w2"] = (r ** -0.5 * jax.random.normal(k_w2, (v, r))).astype(dtype)
+    if cfg.confidence:
+        n = cfg.confidence_width
+        params["confidence_w"] = (n ** -0.5 * jax.random.normal(k_conf, (n,))).astype(dtype)
+        params["confidence_b"] = jnp.asarray(0.5, dtype)
+        params["confidence_temperature"] = jnp.ones((cfg.block_size,), jnp.float32)
+    return params
+
+
+# ---- the heads -----------------------------------------------------------------------------------------------
+
+
+def markov_bias(params: dict, prev_B: jax.Array) -> jax.Array:
+    """W2 W1[x_prev]: the Markov head's fp32 logit bias [B, V] given the previous tokens [B]."""
+    e_BR = params["markov_w1"][prev_B].astype(jnp.float32)
+    return jnp.einsum("br,vr->bv", e_BR, params["markov_w2"].astype(jnp.float32))
+
+
+def confidence_logits(cfg: DSparkConfig, params: dict, h_BKH: jax.Array, prev_BK: jax.Array) -> jax.Array:
+    """The confidence head's logits [B, K] (before temperature): w . [h_k; W1[x_{k-1}]] + b, in fp32."""
+    x_BKF = h_BKH.astype(jnp.float32)
+    if cfg.confidence_with_markov:
+        x_BKF = jnp.concatenate([x_BKF, params["markov_w1"][prev_BK].astype(jnp.float32)], axis=-1)
+    return x_BKF @ params["confidence_w"].astype(jnp.float32) + params["confidence_b"].astype(jnp.float32)
+
+
+def calibrated_confidence(params: dict, logits_BK: jax.Array) -> jax.Array:
+    """c_k = sigmoid(logit_k / T_k) with the stored per-position temperatures (1 until calibrated)."""
+    k = logits_BK.shape[-1]
+    return jax.nn.sigmoid(logits_BK / params["confidence_temperature"][:k].astype(jnp.float32))
+
+
+def markov_chain(cfg: DSparkConfig, params: dict, settings: Settings, u_BKV: jax.Array, anchor_B: jax.Array,
+                 keys_KB: jax.Array | None):
+    """The sequential stage, left to right: drafts [B, K], q [B, K, V] (None when greedy), logits [B, K, V].
+
+    Step k adds W2 W1[x_{k-1}] to U_k (x_0 = the anchor; nothing without a Markov head) and picks x_k:
+    argmax, or a draw from the sampling distribution with row keys keys_KB[k].
+    """
+    greedy = settings.sampling.greedy
+
+    def step(prev_B, xs):
+        """One position: bias by the previous token, choose; carries the choice to the next position."""
+        u_BV, key_B = xs
+        logits_BV = u_BV + markov_bias(params, prev_B) if cfg.markov_rank else u_BV
+        if greedy:
+            tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+            return tok_B, (tok_B, logits_BV, None)
+        logp_BV = sampling_logprobs(logits_BV, settings.sampling)
+        tok_B = sample_rows(key_B, logp_BV)
+        return tok_B, (tok_B, logits_BV, jnp.exp(logp_BV))
+
+    u_KBV = jnp.moveaxis(u_BKV, 1, 0)
+    xs = (u_KBV, keys_KB if not greedy else jnp.zeros(u_KBV.shape[:2], jnp.int32))  # greedy: no keys needed
+    _, (tok_KB, logits_KBV, q_KBV) = lax.scan(step, anchor_B.astype(jnp.int32), xs)
+    q_BKV = None if q_KBV is None else jnp.moveaxis(q_KBV, 0, 1)
+    return tok_KB.T, q_BKV, jnp.moveaxis(logits_KBV, 0, 1)
+
+
+def drafter_params(block: dict, heads: dict, per_layer: bool) -> dict:
+    """What DSparkDrafter runs: the block params (per-layer or stacked) and the DSpark heads and tables."""
+    block = unstack_layers(block) if per_layer else block
+    return {**block, **heads}
+
+
+# ---- the drafter: chains -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter:
+    """DSpark behind the Drafter protocol: one block pass per round, then the Markov chain.
+
+    State: the drafter's KVCache (context K/V at rows 0..P-1, `lengths` equal to the target's).
+    `propose` runs the block [root, MASK x (gamma - 1)] (always the full block: its rows see each
+    other, so a shorter block would change them), and drafts k = num_draft_tokens <= gamma tokens
+    with the Markov step (greedy, or sampled with q); `Draft.confidence` holds 1 for the root and
+    c_1..c_k (see the module docstring). `update` projects only the accepted path's features.
+    """
+
+    cfg: DSparkConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    settings: Settings | None = None
+    attn_impl: str = "auto"
+    name: str = "dspark"
+
+    def __repr__(self) -> str:
+        """One line of facts, not the weights."""
+        lc = self.cfg.block.layers
+        conf = "none" if not self.cfg.confidence else ("with_markov" if self.cfg.confidence_with_markov else "hidden")
+        return (f"DSparkDrafter(layers={lc.num_layers}, block_size={self.cfg.block_size}, "
+                f"markov_rank={self.cfg.markov_rank}, confidence={conf}, taps={list(self.cfg.block.feature_layers)}, "
+                f"hidden={lc.hidden_size}, vocab={lc.vocab_size}, dtype={lc.dtype}, attn_impl={self.attn_impl})")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.block.feature_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.block.layers.vocab_size
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Drafts one block gives: block_size (the anchor row is already a guess)."""
+        return self.cfg.block_size
+
+    def configure(self, settings: Settings) -> "DSparkDrafter":
+        require_chain(self.name, settings)
+        k = settings.tree.num_nodes - 1
+        if k > self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens={k} is more than one DSpark block gives: block_size "
+                             f"{self.cfg.block_size} drafts at most {self.max_draft_tokens} tokens per round; pass "
+                             f"num_draft_tokens <= {self.max_draft_tokens}")
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        """One backbone pass per round; the Markov step is a cheap scan (no attention) and is not counted."""
+        return 1
+
+    def with_temperatures(self, temperatures) -> "DSparkDrafter":
+        """The same drafter with per-position confidence temperatures T_1..T_gamma (sequential temperature scaling)."""
+        if not self.cfg.confidence:
+            raise ValueError("this DSpark drafter has no confidence head (enable_confidence_head false), so there is "
+                             "nothing to calibrate")
+        t = jnp.asarray(temperatures, jnp.float32).reshape(-1)
+        if t.shape != (self.cfg.block_size,):
+            raise ValueError(f"expected {self.cfg.block_size} temperatures (one per block position), got {t.shape[0]}")
+        if not bool(jnp.all(t > 0)):
+            raise ValueError(f"confidence temperatures must be > 0, got {t.tolist()}")
+        return dataclasses.replace(self, params={**self.params, "confidence_temperature": t})
+
+    def init(self, params, ctx: PrefillContext) -> KVCache:
+        b = ctx.prompt.shape[0]
+        cache = init_block_cache(self.cfg.block, b, block_cache_len(self.cfg.block, self.settings.cache_len),
+                                 per_layer=has_layer_list(params))
+        cache = write_context(self.cfg.block, params, context_features(self.cfg.block, params, ctx.features), cache,
+                              jnp.zeros((b,), jnp.int32))
+        return KVCache(cache.k, cache.v, ctx.prompt_len)
+
+    def propose(self, params, state: KVCache, root_B, keys_B):
+        k = self.settings.tree.num_nodes - 1
+        b = root_B.shape[0]
+        emb_BGH = block_embeddings(self.cfg.block, params["embed"], root_B)
+        h_BGH, cache = block_hidden(self.cfg.block, params, emb_BGH, state, attn_impl=self.attn_impl)
+        h_BKH = h_BGH[:, :k]  # row k - 1 predicts position P + k: draft k
+        u_BKV = vocab_logits(params, h_BKH)
+        keys_KB = None if self.settings.sampling.greedy else split_rows(keys_B, k)
+        drafts_BK, q_BKV, logits_BKV = markov_chain(self.cfg, params, self.settings, u_BKV, root_B, keys_KB)
+        if self.cfg.confidence:
+            prev_BK = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_BK[:, :-1]], axis=1)
+            conf_BK = calibrated_confidence(params, confidence_logits(self.cfg, params, h_BKH, prev_BK))
+        else:
+            probs_BKV = q_BKV if q_BKV is not None else jax.nn.softmax(logits_BKV, axis=-1)
+            conf_BK = jnp.take_along_axis(probs_BKV, drafts_BK[:, :, None], axis=-1)[..., 0]
+        tokens_BN = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_BK], axis=1)
+        confidence_BN = jnp.concatenate([jnp.ones((b, 1), jnp.float32), conf_BK.astype(jnp.float32)], axis=1)
+        root_row = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
+        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                      q=None if q_BKV is None else root_row(q_BKV), confidence=confidence_BN,
+                      logits=root_row(logits_BKV) if self.settings.record_logits else None)
+        return draft, cache
+
+    def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
+        del draft
+        feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
+        cache = write_context(self.cfg.block, params, context_features(self.cfg.block, params, feats), state)
+        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+
+
+def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DSparkDrafter:
+    """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
+
+    DSpark carries its own embedding and lm_head (frozen copies of the target's). A
+    `confidence_calibration.json` beside the weights (drafters/confidence.save_calibration) supplies
+    the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
+    """
+    from ..convert.dspark import load_dspark  # noqa: PLC0415 (convert imports this module)
+
+    embed = np.asarray(target.params["embed"])
+    lm_head = np.asarray(target.params["lm_head"]) if "lm_head" in target.params else embed.T
+    cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
+    params = drafter_params(jax.tree.map(jnp.asarray, block), jax.tree.map(jnp.asarray, heads),
+                            has_layer_list(target.params))
+    return DSparkDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
