@@ -32,7 +32,7 @@ from .hf import _NP_DTYPES, read_hf_config, read_tensors, safetensors_files
 ARCHITECTURE = "DFlashDraftModel"
 
 # specjax layer key -> (name inside layers.{i}., transpose?)
-_LAYER_KEYS = {
+LAYER_KEYS = {
     "attn_norm": ("input_layernorm.weight", False),
     "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
     "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
@@ -41,9 +41,9 @@ _LAYER_KEYS = {
     "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
-_TOP_KEYS = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False),
+TOP_KEYS = {"fc": ("fc.weight", True), "hidden_norm": ("hidden_norm.weight", False),
              "final_norm": ("norm.weight", False)}
-_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def is_dflash_config(hf: dict[str, Any]) -> bool:
@@ -81,7 +81,7 @@ def _block_size(hf: dict[str, Any], dflash: dict[str, Any]) -> int:
     return int(size)
 
 
-def _refuse_sliding(hf: dict[str, Any], num_layers: int) -> None:
+def refuse_sliding(hf: dict[str, Any], num_layers: int) -> None:
     """The drafter's layers must all be full attention (specjax has no sliding-window drafter layers)."""
     types = hf.get("layer_types")
     if types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
@@ -143,7 +143,7 @@ def dflash_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
     if heads % kv_heads:
         raise ValueError(f"the DFlash drafter's num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    _refuse_sliding(hf, layers)
+    refuse_sliding(hf, layers)
     if hf.get("attention_bias"):
         raise ValueError("the DFlash drafter's config.json has attention_bias true (Qwen3 then biases q/k/v and "
                          "o_proj); specjax implements the released DFlash layers, which have no attention biases")
@@ -189,13 +189,13 @@ def block_params(tensors: dict[str, np.ndarray], cfg: BlockConfig) -> dict[str, 
         t = tensors[name].T if transpose else tensors[name]
         return np.asarray(t).astype(dtype)
 
-    params: dict[str, Any] = {k: take(name, shapes[k], tr) for k, (name, tr) in _TOP_KEYS.items()}
+    params: dict[str, Any] = {k: take(name, shapes[k], tr) for k, (name, tr) in TOP_KEYS.items()}
     layer_shapes = shapes["layers"]
     params["layers"] = {
-        k: np.stack([take(f"layers.{i}.{_LAYER_KEYS[k][0]}", shape[1:], _LAYER_KEYS[k][1])
+        k: np.stack([take(f"layers.{i}.{LAYER_KEYS[k][0]}", shape[1:], LAYER_KEYS[k][1])
                      for i in range(cfg.layers.num_layers)])
         for k, shape in layer_shapes.items()}
-    leftover = sorted(n for n in tensors if n not in used and not n.endswith(_HARMLESS_SUFFIXES))
+    leftover = sorted(n for n in tensors if n not in used and not n.endswith(HARMLESS_SUFFIXES))
     if leftover:
         shown = ", ".join(f"'{n}'" for n in leftover[:8])
         hint = ""

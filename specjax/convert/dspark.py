@@ -33,7 +33,7 @@ import numpy as np
 from ..config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
 from ..drafters.dflash import BlockConfig
 from ..drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig
-from .dflash import _HARMLESS_SUFFIXES, _LAYER_KEYS, _TOP_KEYS, _refuse_sliding, block_params
+from .dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, refuse_sliding, block_params
 from .hf import _NP_DTYPES, read_hf_config, read_tensors, safetensors_files
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -105,7 +105,7 @@ def dspark_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
     if heads % kv_heads:
         raise ValueError(f"the DSpark drafter's num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    _refuse_sliding(hf, layers)
+    refuse_sliding(hf, layers)
     block_size = _need(hf, "block_size")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"the DSpark drafter's block_size is {block_size!r}; it must be an integer >= 1 (the anchor "
@@ -143,9 +143,9 @@ def dspark_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
 
 def backbone_names(cfg: DSparkConfig) -> set[str]:
     """The checkpoint names of the DFlash backbone's tensors for this config."""
-    names = {name for name, _ in _TOP_KEYS.values()}
+    names = {name for name, _ in TOP_KEYS.values()}
     return names | {f"layers.{i}.{name}" for i in range(cfg.block.layers.num_layers)
-                    for name, _ in _LAYER_KEYS.values()}
+                    for name, _ in LAYER_KEYS.values()}
 
 
 def head_params(tensors: dict[str, np.ndarray], cfg: DSparkConfig,
@@ -232,7 +232,7 @@ def load_dspark(model_dir: str | Path, target: ModelConfig, dtype: str | None = 
     tensors = read_tensors(safetensors_files(model_dir))
     backbone, heads_names = backbone_names(cfg), _expected_head_names(cfg, own_tables)
     leftover = sorted(n for n in tensors if n not in backbone and n not in heads_names
-                      and not n.endswith(_HARMLESS_SUFFIXES))
+                      and not n.endswith(HARMLESS_SUFFIXES))
     if leftover:
         shown = ", ".join(f"'{n}'" for n in leftover[:8])
         hint = ""
@@ -248,7 +248,7 @@ def load_dspark(model_dir: str | Path, target: ModelConfig, dtype: str | None = 
         raise ValueError(f"DSpark checkpoint lacks backbone tensor(s) {', '.join(repr(n) for n in missing[:8])}"
                          f"{' ...' if len(missing) > 8 else ''} (config.json num_hidden_layers="
                          f"{cfg.block.layers.num_layers} implies them)")
-    block = block_params({n: t for n, t in tensors.items() if n in backbone or n.endswith(_HARMLESS_SUFFIXES)},
+    block = block_params({n: t for n, t in tensors.items() if n in backbone or n.endswith(HARMLESS_SUFFIXES)},
                          cfg.block)
     heads = head_params(tensors, cfg, None if own_tables else target_tables)
     temps = read_calibration(model_dir, cfg)
