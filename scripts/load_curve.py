@@ -13,7 +13,8 @@ a chain: each draft right with probability alpha), so measured vs predicted isol
 model. Drafting is free here.
 
 Per batch: plain decoding, chains of --chains, the planner's DP trees of --trees nodes, and the
-planner's own pick; every configuration is compiled and checked equal to plain decoding first,
+planner's own pick, each measured when its verify pass holds at most --max-pass-tokens tokens (larger
+passes take minutes on a CPU and are predicted only; the plot's dashed lines show them); every configuration is compiled and checked equal to plain decoding first,
 then --repeats rounds run every configuration once each, in an order rotated every round
 (interleaved, so drift on a shared machine hits all alike). Speedup = tokens/s over the same
 round's plain decoding; the median and the min..max spread are reported. Predictions come
@@ -32,7 +33,7 @@ from specjax.bench_ar import PRESETS, machine_info, random_prompts
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for, \
     tree_replay
 from specjax.bench_spec import random_model
-from specjax.planner import geometric_acceptance, plan
+from specjax.planner import geometric_acceptance, plan, shape_curve
 from specjax.profile import cost_model, profile
 from specjax.target import format_count
 
@@ -51,8 +52,11 @@ def parse_args(argv):
     ap.add_argument("--trees", default="8,16,32", help="DP tree budgets (nodes, root included)")
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-pass-tokens", type=int, default=512,
+                    help="measure only shapes whose verify pass holds at most this many tokens (batch x nodes); "
+                         "larger ones are predicted only (on this CPU they take minutes per pass)")
     ap.add_argument("--cost", default="profile", help="profile (measured here first) | cpu | h100 | h200")
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -76,34 +80,38 @@ def main(argv=None) -> int:
     cache = args.prompt_len + args.max_new_tokens // 2
     if args.cost == "profile":
         nodes = sorted({s.nodes for s in shapes})
-        prof = profile(target, None, batches, nodes, (cache,), repeats=args.profile_repeats, log=log)
+        prof = profile(target, None, batches, nodes, (cache,), repeats=args.profile_repeats, log=log,
+                       max_tokens=args.max_pass_tokens)
         cost = prof.cost(cache)
         profile_dict = prof.to_dict()
     else:
         cost, profile_dict = cost_model(args.cost, target.cfg, None, cache, 0.0), None
-    chosen = {c.batch: c.best.shape for c in plan(p, batches, cost.verify_s, cost.draft_s,
-                                                   max_nodes=max(s.nodes for s in shapes), max_depth=args.max_depth)}
+    choices = plan(p, batches, cost.verify_s, cost.draft_s, max_nodes=max(s.nodes for s in shapes),
+                   max_depth=args.max_depth)
+    chosen = {c.batch: c.best.shape for c in choices}
+    predicted = shape_curve(shapes, batches, cost.verify_s, cost.draft_s)
+    result = {"script": "scripts/load_curve.py", "argv": sys.argv[1:] if argv is None else list(argv),
+              "machine": machine_info(), "preset": args.preset, "params": target.cfg.num_params(),
+              "alpha": args.alpha, "cost": cost.source, "profile": profile_dict,
+              "plans": {c.batch: c.as_dict() for c in choices}, "predicted_speedup": predicted}
     rows = []
     for b in batches:  # the planner's pick is measured too, when it is not one of the fixed shapes
         extra = [chosen[b]] if all(s.spec != chosen[b].spec for s in shapes) else []
+        here = [s for s in shapes + extra if s.kind == "off" or b * s.nodes <= args.max_pass_tokens]
         prompts = random_prompts(b, args.prompt_len, target.cfg.vocab_size, args.seed + b).tolist()
         base = generate(target, prompts, max_new_tokens=args.max_new_tokens, eos_token_id=[])
         drafter = tree_replay(base.tokens, target.cfg.vocab_size, args.alpha)
-        rows += measure_shapes(target, prompts, drafter, shapes + extra, max_new_tokens=args.max_new_tokens,
+        rows += measure_shapes(target, prompts, drafter, here, max_new_tokens=args.max_new_tokens,
                                repeats=args.repeats, batch=b, log=log)
-    add_predictions(rows, shapes + list(chosen.values()), cost)
-    picks = pick_summary(rows, {b: s.label for b, s in chosen.items()})
-    text = format_table(rows, picks)
-    print(text)
-    result = {"script": "scripts/load_curve.py", "argv": sys.argv[1:] if argv is None else list(argv),
-              "machine": machine_info(), "preset": args.preset, "params": target.cfg.num_params(),
-              "alpha": args.alpha, "cost": cost.source, "rows": rows, "picks": picks, "profile": profile_dict,
-              "table": text}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        add_predictions(rows, shapes + list(chosen.values()), cost)
+        picks = pick_summary(rows, {bb: s.label for bb, s in chosen.items() if bb <= b})
+        result |= {"rows": rows, "picks": picks, "table": format_table(rows, picks)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))  # after every batch: a cut run keeps it
+    print(result["table"])
     log(f"wrote {args.out}")
     if args.plot:
-        plot(rows, args.plot, f"{args.preset} ({format_count(target.cfg.num_params())}), replay alpha {args.alpha}, "
+        plot(rows, args.plot, batches, predicted, f"{args.preset} ({format_count(target.cfg.num_params())}), replay alpha {args.alpha}, "
                               f"median of {args.repeats} interleaved; {cost.source}")
         log(f"wrote {args.plot}")
     return 0

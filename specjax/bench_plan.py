@@ -160,12 +160,15 @@ def add_predictions(rows: list[dict], shapes: list, cost) -> None:
 
 
 def pick_summary(rows: list[dict], picks: dict[int, str]) -> dict[int, dict[str, Any]]:
-    """Per batch: the planner's pick (a row's label) against the best measured fixed shape."""
+    """Per batch: the planner's pick (a row's label) against the best measured fixed shape (batches whose pick
+    was not measured are left out)."""
     out = {}
     for b, label in picks.items():
         measured = [r for r in rows if r["batch"] == b]
+        mine = next((r for r in measured if r["shape"] == label), None)
+        if mine is None:  # the pick was too large a pass to measure here
+            continue
         best = max((r for r in measured if r["kind"] != "auto"), key=lambda r: r["speedup"])
-        mine = next(r for r in measured if r["shape"] == label)
         shape = mine["plan"]["shape"] if mine.get("plan") else label
         out[b] = {"pick": shape, "pick_predicted": mine.get("speedup_predicted"), "pick_measured": mine["speedup"],
                   "best_measured_shape": best["shape"], "best_measured": best["speedup"],
@@ -192,7 +195,9 @@ def format_table(rows: list[dict], picks: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, batches: list[int], predicted: dict[str, list[float]], title: str) -> None:
+    """Speedup vs batch size per shape: measured medians with min..max bars (solid), predictions at every batch
+    (dashed, `predicted[label][i]` at batches[i]; shapes too large to measure at a batch appear only dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,14 +206,17 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = plt.get_cmap("tab10").colors
-    for i, label in enumerate(dict.fromkeys(r["shape"] for r in rows if "speedup_predicted" in r)):
-        rs = [r for r in rows if r["shape"] == label]
-        xs = [r["batch"] for r in rs]
-        ys = [r["speedup"] for r in rs]
-        err = [[y - r["speedup_min"] for y, r in zip(ys, rs)], [r["speedup_max"] - y for y, r in zip(ys, rs)]]
+    labels = list(dict.fromkeys([*predicted, *(r["shape"] for r in rows if r["kind"] != "auto")]))
+    for i, label in enumerate(labels):
         c = colors[i % 10]
-        ax.errorbar(xs, ys, yerr=err, color=c, marker="o", capsize=3, label=f"{label} measured")
-        ax.plot(xs, [r["speedup_predicted"] for r in rs], color=c, linestyle="--", alpha=0.7)
+        rs = [r for r in rows if r["shape"] == label]
+        if rs:
+            xs, ys = [r["batch"] for r in rs], [r["speedup"] for r in rs]
+            err = [[y - r["speedup_min"] for y, r in zip(ys, rs)], [r["speedup_max"] - y for y, r in zip(ys, rs)]]
+            ax.errorbar(xs, ys, yerr=err, color=c, marker="o", capsize=3, label=f"{label} measured")
+        if label in predicted:
+            ax.plot(batches, predicted[label], color=c, linestyle="--", alpha=0.7,
+                    label=None if rs else f"{label} predicted")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))

@@ -429,8 +429,12 @@ def device_kind() -> str:
 
 def profile(target, drafter=None, batches: Sequence[int] = (1, 4, 16, 64), nodes: Sequence[int] = (1, 2, 4, 8, 16, 32),
             cache_lens: Sequence[int] = (256,), draft_depths: Sequence[int] = (1, 4), repeats: int = 5,
-            log: Callable[[str], None] = lambda m: None) -> Profile:
-    """Measure verify rounds over batch x nodes x cache length, and the drafter's propose over batch x depth."""
+            log: Callable[[str], None] = lambda m: None, max_tokens: int | None = None) -> Profile:
+    """Measure verify rounds over batch x nodes x cache length, and the drafter's propose over batch x depth.
+
+    max_tokens: skip verify passes of more than this many tokens (batch x nodes; one node per row is always
+    measured): on a CPU a large pass takes minutes, and the profile extrapolates at its last slope.
+    """
     if not batches or not nodes or not cache_lens or min(batches) < 1 or min(nodes) < 1 or min(cache_lens) < 0:
         raise ValueError(f"profile needs positive batches and nodes and cache lengths >= 0; got batches {batches}, "
                          f"nodes {nodes}, cache_lens {cache_lens}")
@@ -438,6 +442,8 @@ def profile(target, drafter=None, batches: Sequence[int] = (1, 4, 16, 64), nodes
     for c in cache_lens:
         for b in batches:
             for n in nodes:
+                if max_tokens is not None and n > 1 and b * n > max_tokens:
+                    continue
                 med, all_s = time_verify_round(target, b, n, c, repeats)
                 verify_rows.append({"batch": b, "nodes": n, "cache_len": c, "seconds": med, "all_seconds": all_s})
                 log(f"verify batch {b:4d} nodes {n:3d} cache {c:5d}: {med * 1e3:8.2f} ms")
