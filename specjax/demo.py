@@ -43,7 +43,8 @@ def highlighted(target: Target, out: GenerateOutput, row: int) -> Text:
 
 
 def trained_heads(root: Path, target: Target, num_draft_tokens: int) -> dict[str, dict]:
-    """Rows for the drafter heads trained for this target that sit beside it (checkpoints/tiny/eagle3, mtp)."""
+    """Rows for the drafter heads trained for this target that sit beside it (checkpoints/tiny/eagle3, mtp, dflash,
+    dspark)."""
     methods = {}
     if (root / "eagle3").is_dir():
         eagle = load_drafter(root / "eagle3", target)
@@ -52,6 +53,16 @@ def trained_heads(root: Path, target: Target, num_draft_tokens: int) -> dict[str
             drafter=eagle, tree="dynamic:top_k=3,depth=3,total_tokens=16")
     if (root / "mtp").is_dir():
         methods["MTP, chain of 3"] = dict(drafter=load_drafter(root / "mtp", target), num_draft_tokens=3)
+    if (root / "dflash").is_dir():
+        dflash = load_drafter(root / "dflash", target)
+        k = dflash.cfg.block_size - 1
+        methods[f"DFlash, block of {k} drafts"] = dict(drafter=dflash, num_draft_tokens=k)
+    if (root / "dspark").is_dir():
+        dspark = load_drafter(root / "dspark", target)
+        k = dspark.cfg.block_size
+        methods[f"DSpark, block of {k} drafts"] = dict(drafter=dspark, num_draft_tokens=k)
+        methods[f"DSpark, block of {k}, confidence scheduler"] = dict(drafter=dspark, num_draft_tokens=k,
+                                                                      scheduler="confidence")
     return methods
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from .config import SamplingConfig
-from .decode import ar_generate
+from .plain import plain_generate
 from .planner import auto_shape
-from .request import GenerateOutput, bucket, finish, prepare, run_compiled
+from .request import GenerateOutput, bucket
 from .speculative import speculative_generate
 from .target import Target
 from .tree import parse_tree
@@ -22,7 +22,7 @@ __all__ = ["GenerateOutput", "bucket", "generate"]
 def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] | None = 0, drafter=None,
              num_draft_tokens: int | None = None, tree=None, eos_token_id: int | Sequence[int] | None = None,
-             max_len: int | None = None) -> GenerateOutput:
+             max_len: int | None = None, scheduler: str | None = None, scheduler_profile=None) -> GenerateOutput:
     """Continue each prompt; greedy when temperature is 0. With a drafter, decode speculatively.
 
     prompts: list of token-id lists (ragged) or strings (needs the target's tokenizer).
@@ -35,14 +35,26 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
       "off" runs the plain loop. The choice is in out.stats["plan"].
     eos_token_id: overrides the checkpoint's EOS ids; [] disables stopping on EOS.
     max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
+    scheduler: "confidence" verifies, each round, only as much of each row's chain as pays off given the
+      drafter's confidences (Draft.confidence, e.g. DSpark's) and the device's verify cost, at the best of a
+      few compiled widths (specjax/scheduler.py); "prefix" uses DSpark's Algorithm 1 verbatim. Chains only
+      (num_draft_tokens=K). scheduler_profile: its cost curve: a Profile, a profile JSON path, "measure"
+      (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
+      roofline). out.stats["scheduler"] says which was used.
     """
     sampling = SamplingConfig(temperature, top_k, top_p).validate()
+    if drafter is None and scheduler is not None:
+        raise ValueError(f"scheduler={scheduler!r} decides how much of a draft to verify, but no drafter was given: "
+                         f"pass drafter= (one that reports confidences), or drop scheduler=")
     if drafter is None:
         if num_draft_tokens is not None or tree is not None:
             given = "num_draft_tokens" if num_draft_tokens is not None else "tree"
             raise ValueError(f"{given}= shapes a speculative draft but no drafter was given: pass drafter= "
                              f"(e.g. specjax.load_drafter(path, target)), or drop {given}=")
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
+    if "auto" in (num_draft_tokens, tree) and scheduler is not None:
+        raise ValueError("scheduler= chooses the verified prefix of a fixed chain each round; with 'auto' the planner "
+                         "picks the shape instead: give num_draft_tokens=K with scheduler=, or drop scheduler=")
     if "auto" in (num_draft_tokens, tree):
         return _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree,
                               eos_token_id, max_len)
@@ -51,7 +63,8 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
                          f"a chain of K is also tree='chain:K'")
     spec = parse_tree(tree, num_draft_tokens)
     return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
-                                seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len)
+                                seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len,
+                                scheduler=scheduler, scheduler_profile=scheduler_profile)
 
 
 def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,
@@ -73,8 +86,5 @@ def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num
 
 def _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, extra=None) -> GenerateOutput:
     """The plain autoregressive loop (no drafter, or the planner said "off")."""
-    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed)
-    (out_BO, count_B, steps), compile_s, run_s = run_compiled(
-        target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()), {"lc": req.lc})
-    return finish(target, req, out_BO, count_B, compile_s, run_s,
-                  {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": int(steps), **(extra or {})})
+    return plain_generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                          eos_token_id=eos_token_id, max_len=max_len, extra=extra)

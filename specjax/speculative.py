@@ -5,10 +5,16 @@ the target runs all N nodes in one forward pass (tree positions, ancestor mask);
 verifier picks the accepted path and a bonus token; the row emits them (cut at EOS or
 its token budget, exactly where plain decoding would stop), the cache keeps the path,
 and the drafter updates its state. Shapes never depend on acceptance.
+
+With a prefix scheduler (`Scheduler`, specjax/scheduler.py) each round first decides from
+the drafter's confidences how many drafts of each row to verify, then runs the verify pass at
+the smallest compiled width that holds them (`lax.switch` over widths 1, 2, 4, ..., N, each
+branch its own fixed shape), so the target's compute follows what was admitted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Sequence
 
@@ -24,20 +30,85 @@ from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
 from .models.decoder import forward, has_layer_list, lm_head
 from .request import GenerateOutput, finish, prepare, run_compiled
 from .sampling import choose_token, row_keys, split_rows
-from .stats import SpecStats, record_round, summarize
+from .scheduler import cost_table, prefix_schedule, scheduler_cost, verify_widths, width_for, width_schedule
+from .stats import SpecStats, record_round, record_width, summarize
 from .target import Target
 from .tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
-from .verify import Verdict, verify
+from .verify import Draft, Verdict, verify
+
+SCHEDULERS = ("confidence", "prefix")
 
 
-@partial(jax.jit, static_argnames=("lc", "drafter"))
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+    """Static configuration of the prefix scheduler (part of the compiled loop's key).
+
+    mode "confidence": `width_schedule`, the best compiled width for expected tokens per second
+    actually paid (the default); "prefix": `prefix_schedule`, DSpark's Algorithm 1 verbatim, then the
+    smallest width holding its prefixes. widths: the compiled verify widths, root included.
+    """
+
+    mode: str
+    widths: tuple[int, ...]
+
+
+def verify_pass(params: dict, lc: LoopConfig, draft: Draft, cache, features: tuple[int, ...], keys_B: jax.Array):
+    """The target's forward over every node of `draft` and the verdict: (Verdict, node features, cache)."""
+    mask_BNN = ancestor_mask(draft.parents)
+    positions_BN = cache.lengths[:, None] + depths(mask_BNN)
+    h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
+                                          mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
+    verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, keys_B)
+    return verdict, node_features, cache
+
+
+def narrow_pass(width: int, params: dict, lc: LoopConfig, features: tuple[int, ...], draft: Draft, cache,
+                keys_B: jax.Array):
+    """`verify_pass` over the first `width` nodes of a chain (one lax.switch branch), padded back to N nodes."""
+    n = draft.tokens.shape[1]
+    narrow = jax.tree.map(lambda x: x[:, :width], draft)
+    verdict, node_features, cache = verify_pass(params, lc, narrow, cache, features, keys_B)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    return Verdict(pad(verdict.path), verdict.num_accepted, verdict.bonus), tuple(map(pad, node_features)), cache
+
+
+def admit(draft: Draft, active_B: jax.Array, left_B: jax.Array, seconds_T: jax.Array,
+          sched: Scheduler) -> tuple[Draft, jax.Array]:
+    """The scheduler's admission: (the draft with nodes past each row's admitted prefix invalid, width index).
+
+    Confidence is zeroed where a draft cannot count: invalid nodes, and drafts past the row's remaining
+    token budget (left_B tokens can hold at most left_B - 1 drafts and the bonus). Admission reads only
+    confidences, activity and budgets, never this round's target outputs, so it keeps verification lossless.
+    """
+    if draft.confidence is None:
+        raise ValueError("the prefix scheduler needs a drafter that reports confidences (Draft.confidence, e.g. "
+                         "DSpark, or replay_drafter(..., confidence=True)); this drafter does not: drop scheduler=")
+    n = draft.tokens.shape[1]
+    j_K = jnp.arange(1, n)
+    usable_BK = draft.valid[:, 1:] & (j_K[None, :] < left_B[:, None])
+    conf_BK = jnp.where(usable_BK, draft.confidence[:, 1:], 0.0)
+    if sched.mode == "prefix":
+        len_B = prefix_schedule(conf_BK, active_B, seconds_T)
+        choice = width_for(len_B, sched.widths)
+    else:
+        choice, len_B = width_schedule(conf_BK, active_B, seconds_T, sched.widths)
+    # Never past the last draft with a nonzero chance (a = 0 adds nothing; past the budget or the draft's end).
+    useful_B = jnp.sum(jnp.cumprod(conf_BK > 0, axis=1), axis=1, dtype=jnp.int32)
+    len_B = jnp.minimum(len_B, useful_B)
+    valid_BN = draft.valid & (jnp.arange(n)[None, :] <= len_B[:, None])
+    return dataclasses.replace(draft, valid=valid_BN), choice
+
+
+@partial(jax.jit, static_argnames=("lc", "drafter", "sched"))
 def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B: jax.Array, max_new_B: jax.Array,
-                  seeds_B: jax.Array, fold_B: jax.Array, *, lc: LoopConfig, drafter: Drafter):
+                  seeds_B: jax.Array, fold_B: jax.Array, seconds_T: jax.Array | None = None, *, lc: LoopConfig,
+                  drafter: Drafter, sched: Scheduler | None = None):
     """Speculative decoding of up to max_new_B[b] tokens per row.
 
     Row b draws from its own key stream (seeds_B[b], fold_B[b]), for drafting and verifying alike.
-    Returns (tokens [B, out_len], the round that emitted each token [B, out_len] (0 = prefill),
-    counts [B], SpecStats).
+    With `sched`, seconds_T [B x N + 1] is the verify cost curve the scheduler optimises (seconds of a
+    pass with t tokens). Returns (tokens [B, out_len], the round that emitted each token [B, out_len]
+    (0 = prefill), counts [B], SpecStats).
     """
     b = prompt_BT.shape[0]
     tree = drafter.settings.tree
@@ -60,13 +131,15 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         step, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, keys_B, stats = state
         keys_B, k_draft_B, k_verify_B = split_rows(keys_B, 3)
         draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft_B)
-        mask_BNN = ancestor_mask(draft.parents)
-        depth_BN = depths(mask_BNN)
-        positions_BN = cache.lengths[:, None] + depth_BN
-        h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
-                                              mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
-        verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, k_verify_B)
         active_B = ~done_B
+        if sched is None:
+            verdict, node_features, cache = verify_pass(params, lc, draft, cache, features, k_verify_B)
+        else:
+            draft, choice = admit(draft, active_B, max_new_B - count_B, seconds_T, sched)
+            branches = [partial(narrow_pass, w, params, lc, features) for w in sched.widths]
+            verdict, node_features, cache = lax.switch(choice, branches, draft, cache, k_verify_B)
+            stats = record_width(stats, jnp.asarray(sched.widths, jnp.int32)[choice])
+        depth_BN = depths(ancestor_mask(draft.parents))
         verdict = Verdict(verdict.path, jnp.where(active_B, verdict.num_accepted, 0), verdict.bonus)
 
         # Emit accepted drafts + bonus, cut after the first EOS and at the row's budget.
@@ -95,18 +168,42 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
                          sampling: SamplingConfig, seed, spec: TreeSpec | DynamicTreeSpec, eos_token_id,
-                         max_len: int | None) -> GenerateOutput:
-    """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics."""
+                         max_len: int | None, scheduler: str | None = None, scheduler_profile=None) -> GenerateOutput:
+    """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics.
+
+    scheduler / scheduler_profile: see `generate`; None runs every draft node every round.
+    """
     check_drafter_fits(drafter, target)
+    if scheduler is not None:
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS} or None, got {scheduler!r}")
+        if not isinstance(spec, TreeSpec) or not spec.is_chain:
+            raise ValueError("the prefix scheduler verifies prefixes of a chain: pass num_draft_tokens=K, not a tree")
+    elif scheduler_profile is not None:
+        raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
+                         "too, or drop scheduler_profile=")
     req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed,
                   draft_nodes=spec.cache_slots)
     configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
+    key, args, static, sched_info = ("spec", req.lc, configured, req.prompt_BT.shape), (), {}, {}
+    if scheduler is not None:
+        sched = Scheduler(scheduler, verify_widths(spec.num_nodes))
+        batch = req.prompt_BT.shape[0]
+        context = max(len(r) for r in req.ids) + max_new_tokens // 2
+        cost = scheduler_cost(target, scheduler_profile, batch, sched.widths, context)
+        # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
+        overhead = cost.draft_s(batch, spec.num_nodes - 1)
+        args, static, key = (jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead)),), \
+            {"sched": sched}, (*key, sched)
+        sched_info = {"mode": scheduler, "widths": list(sched.widths), "cost": cost.source,
+                      "round_overhead_s": overhead}
     result, compile_s, run_s = run_compiled(
-        target, ("spec", req.lc, configured, req.prompt_BT.shape), spec_generate,
-        (target.params, configured.params, *req.arrays()), {"lc": req.lc, "drafter": configured})
+        target, key, spec_generate, (target.params, configured.params, *req.arrays(), *args),
+        {"lc": req.lc, "drafter": configured, **static})
     out_BO, round_BO, count_B, stats = jax.tree.map(np.asarray, result)
     summary = summarize(stats, len(req.ids), configured.calls_per_round())
-    return finish(target, req, out_BO, count_B, compile_s, run_s, {**summary, "tree_nodes": spec.num_nodes},
+    extra = {"scheduler": sched_info} if sched_info else {}
+    return finish(target, req, out_BO, count_B, compile_s, run_s, {**summary, "tree_nodes": spec.num_nodes, **extra},
                   round_BO, stats)
 
 

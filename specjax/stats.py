@@ -31,11 +31,15 @@ class SpecStats:
     accepted_rank_DR: jax.Array  # int32 [D, R]: accepted drafts at depth d+1 that were their parent's r-th child
     verified_tokens: jax.Array  # int32 []: valid nodes (root included) of active rows, summed over rounds
     loop_rounds: jax.Array  # int32 []: iterations of the round loop (padded tokens and drafter passes follow)
+    # int32 [N + 1]: with the prefix scheduler, iterations whose verify pass ran w nodes per row (index w);
+    # all zero without it (every iteration then runs N).
+    width_rounds_W: jax.Array | None = None
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, num_nodes: int) -> "SpecStats":
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z())
+        return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z(),
+                   z(num_nodes + 1))
 
 
 def sibling_ranks(parents_BN: jax.Array, valid_BN: jax.Array) -> jax.Array:
@@ -69,14 +73,22 @@ def record_round(stats: SpecStats, draft: Draft, depth_BN: jax.Array, verdict: V
         accepted_rank_DR=stats.accepted_rank_DR + jnp.sum(rank_hits_BDR, axis=0, dtype=jnp.int32),
         verified_tokens=stats.verified_tokens + jnp.sum(offered_BN, dtype=jnp.int32),
         loop_rounds=stats.loop_rounds + 1,
+        width_rounds_W=stats.width_rounds_W,
     )
+
+
+def record_width(stats: SpecStats, width: jax.Array) -> SpecStats:
+    """Count one iteration whose verify pass ran `width` nodes per row (the prefix scheduler's choice)."""
+    return dataclasses.replace(stats, width_rounds_W=stats.width_rounds_W.at[width].add(1))
 
 
 def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, Any]:
     """JSON-friendly figures for `out.stats` (real prompts only; padding rows never emit).
 
     Every loop iteration verifies B x N tokens (fixed shapes) and runs the drafter `calls_per_round`
-    times, so those totals follow from the iteration count.
+    times, so those totals follow from the iteration count. With the prefix scheduler an iteration
+    pays B x its chosen width instead: padded_tokens_per_round is then the mean over iterations, and
+    verified_width_rounds says how many iterations ran each width.
 
     acceptance_length (tau) = tokens emitted per round, the bonus included; per-position
     acceptance = P(the draft at depth d was emitted) per round; acceptance_rate_at_depth =
@@ -88,6 +100,11 @@ def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, 
     loops = max(int(s.loop_rounds), 1)
     batch, num_nodes = s.rounds_B.shape[0], s.accepted_rank_DR.shape[1]
     drafter_calls = int(s.loop_rounds) * calls_per_round
+    widths = {} if s.width_rounds_W is None else {w: int(c) for w, c in enumerate(s.width_rounds_W) if c}
+    padded = batch * num_nodes if s.loop_rounds else 0
+    if widths:
+        padded = batch * sum(w * c for w, c in widths.items()) / loops
+    extra = {"verified_width_rounds": widths} if widths else {}
     return {
         "acceptance_length": emitted / rounds,
         "per_position_acceptance": (s.accepted_D / rounds).tolist(),
@@ -99,8 +116,9 @@ def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, 
         "row_rounds": s.rounds_B[:n_rows].tolist(),
         "accepted_drafts": int(s.accepted_B[:n_rows].sum()),
         "verified_tokens_per_round": int(s.verified_tokens) / loops,
-        "padded_tokens_per_round": batch * num_nodes if s.loop_rounds else 0,
+        "padded_tokens_per_round": padded,
         "drafter_calls": drafter_calls,
         # One drafter pass serves every row: passes per token of one row.
         "drafter_calls_per_token": drafter_calls * n_rows / max(emitted, 1),
+        **extra,
     }

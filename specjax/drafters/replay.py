@@ -5,6 +5,12 @@ that continuation, each replaced by a different random token with probability
 `corrupt_prob`. Under greedy verification the expected acceptance is then controlled
 exactly, so the cost and benefit of a draft shape can be measured on any chip with any
 weights (random ones included) at a chosen acceptance rate. Drafting costs nothing.
+
+`corrupt_prob` may be one rate or one per prompt. With `confidence=True` each draft also
+carries the confidence a block drafter such as DSpark reports (Draft.confidence, root 1):
+the true P(accept | prefix accepted) = 1 - the row's corrupt_prob, plus optional Gaussian
+noise (`confidence_noise`, clipped to [0.01, 0.99]), and 0 past the reference. It lets the
+prefix scheduler (specjax/scheduler.py) be tested and benchmarked without a trained head.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from .base import PrefillContext, Settings, require_chain
 @dataclasses.dataclass(frozen=True)
 class ReplayDrafter:
     vocab_size: int
-    # {"reference": int32 [B, M], "corrupt_prob": float32 []}: arrays, so a sweep over rates compiles once.
+    # {"reference": int32 [B, M], "corrupt_prob": float32 [] or [B, 1]} (+ "confidence_noise": float32 [] with
+    # confidences): arrays, so a sweep over rates compiles once.
     params: Any = dataclasses.field(default=None, compare=False, repr=False)
     settings: Settings | None = None
     name: str = "replay"
     feature_layers: tuple[int, ...] = ()
+    confidence: bool = False  # attach Draft.confidence (static: it changes the Draft's structure)
 
     def __repr__(self) -> str:
         """One line: vocabulary, reference rows x length and corruption rate, not the reference arrays."""
@@ -38,10 +46,12 @@ class ReplayDrafter:
             return f"ReplayDrafter(vocab={self.vocab_size}, no reference)"
         rows, width = self.params["reference"].shape
         try:
-            prob = f"{float(self.params['corrupt_prob']):g}"
+            prob = self.params["corrupt_prob"]
+            prob = f"{float(prob):g}" if np.ndim(prob) == 0 else "per-row"
         except Exception:  # noqa: BLE001 (a traced value under jit has no float)
             prob = "traced"
-        return f"ReplayDrafter(vocab={self.vocab_size}, rows={rows}, width={width}, corrupt_prob={prob})"
+        conf = ", confidence" if self.confidence else ""
+        return f"ReplayDrafter(vocab={self.vocab_size}, rows={rows}, width={width}, corrupt_prob={prob}{conf})"
 
     def configure(self, settings: Settings) -> "ReplayDrafter":
         require_chain(self.name, settings)
@@ -69,19 +79,50 @@ class ReplayDrafter:
         drafts_BK = jnp.where(flip_BK, other_BK, drafts_BK)
         tokens_BN = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
         valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), idx_BK < m], axis=1)
-        return Draft(tokens_BN.astype(jnp.int32), spec_arrays(self.settings.tree, b), valid_BN), state
+        confidence_BN = self._confidence(params, keys_B, valid_BN) if self.confidence else None
+        return Draft(tokens_BN.astype(jnp.int32), spec_arrays(self.settings.tree, b), valid_BN,
+                     confidence=confidence_BN), state
+
+    def _confidence(self, params, keys_B, valid_BN):
+        """float32 [B, N]: root 1; draft k: 1 - corrupt_prob (+ noise, clipped to [0.01, 0.99]); 0 when invalid."""
+        b, n = valid_BN.shape
+        true_BN = jnp.broadcast_to(1.0 - jnp.asarray(params["corrupt_prob"], jnp.float32), (b, n))
+        noise_BN = jax.vmap(lambda kk: jax.random.normal(jax.random.fold_in(kk, 1), (n,)))(keys_B)
+        noisy_BN = jnp.clip(true_BN + params["confidence_noise"] * noise_BN, 0.01, 0.99)
+        conf_BN = jnp.where(params["confidence_noise"] > 0, noisy_BN, true_BN)
+        conf_BN = jnp.where(valid_BN, conf_BN, 0.0)
+        return conf_BN.at[:, 0].set(1.0)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
         return state + verdict.num_accepted
 
 
-def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corrupt_prob: float) -> ReplayDrafter:
-    """Build from the target's continuation of each prompt (e.g. `generate(...).tokens` at temperature 0)."""
-    if not 0.0 <= corrupt_prob <= 1.0:
-        raise ValueError(f"corrupt_prob must be in [0, 1], got {corrupt_prob}")
+def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corrupt_prob: float | Sequence[float],
+                   confidence: bool = False, confidence_noise: float = 0.0) -> ReplayDrafter:
+    """Build from the target's continuation of each prompt (e.g. `generate(...).tokens` at temperature 0).
+
+    corrupt_prob: one rate, or one per continuation. confidence: attach the synthetic confidences
+    (1 - the row's rate, with `confidence_noise` standard deviation of Gaussian noise) for the scheduler.
+    """
     rows = bucket(len(continuations), minimum=1)  # the batch bucket generate() pads to
+    per_row = isinstance(corrupt_prob, Sequence) or np.ndim(corrupt_prob) > 0
+    probs = np.asarray(corrupt_prob, np.float64).reshape(-1)
+    if per_row and probs.size != len(continuations):
+        raise ValueError(f"corrupt_prob has {probs.size} rates for {len(continuations)} continuations: pass one "
+                         f"rate, or one per continuation")
+    if np.any(~(probs >= 0.0)) or np.any(probs > 1.0):
+        raise ValueError(f"corrupt_prob must be in [0, 1], got {corrupt_prob}")
+    if not confidence_noise >= 0.0:
+        raise ValueError(f"confidence_noise is a standard deviation, must be >= 0, got {confidence_noise}")
     width = max(1, max(len(c) for c in continuations))
     ref = np.zeros((rows, width), np.int32)
     for i, c in enumerate(continuations):
         ref[i, : len(c)] = c
-    return ReplayDrafter(vocab_size, params={"reference": jnp.asarray(ref), "corrupt_prob": jnp.float32(corrupt_prob)})
+    if per_row:  # padding rows never emit; give them rate 1 (their drafts are never checked)
+        prob = jnp.asarray(np.concatenate([probs, np.ones(rows - probs.size)])[:, None], jnp.float32)
+    else:
+        prob = jnp.float32(probs[0])
+    params = {"reference": jnp.asarray(ref), "corrupt_prob": prob}
+    if confidence:
+        params["confidence_noise"] = jnp.float32(confidence_noise)
+    return ReplayDrafter(vocab_size, params=params, confidence=confidence)
