@@ -5,7 +5,7 @@
 
 A random target (`--preset 300m`: 246M params, big enough that this CPU turns compute-bound
 inside batch 1..128) decodes random prompts greedily with EOS disabled. Drafts come from a
-tree replay drafter (specjax/bench_plan.py): the target's own greedy continuation, where under every node
+tree replay drafter (specjax/drafters/replay.py): the target's own greedy continuation, where under every node
 the true next token is the rank-r child with probability alpha (1 - alpha)^r (and missing when
 the node has no rank-r child), every other child a random wrong token. Greedy verification
 then accepts exactly as the planner's positional model says (p[r] = alpha (1 - alpha)^r; for
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from specjax import generate
 from specjax.bench_ar import PRESETS, machine_info, random_prompts
-from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for, \
-    tree_replay
+from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for
+from specjax.drafters.replay import tree_replay
 from specjax.bench_spec import random_model
 from specjax.planner import geometric_acceptance, plan, shape_curve
 from specjax.profile import cost_model, profile

@@ -4,7 +4,7 @@
     python scripts/plan_check.py --out runs/plan_check.json
 
 For the embedded target (checkpoints/tiny/target) with three drafters — the embedded draft model,
-and the tree replay drafter (specjax/bench_plan.py) at acceptance 0.6 and 0.9 — and batch sizes
+and the tree replay drafter (specjax/drafters/replay.py) at acceptance 0.6 and 0.9 — and batch sizes
 1, 4, 16, 64 (the manifest's held-out prompts, repeated to fill the batch; greedy; EOS off):
 plain decoding, chains of 1..8, the DP's trees of 8, 16 and 32 nodes for the drafter's calibrated
 acceptance, and `generate(..., tree="auto")` (planned at warm-up: calibration run, timing of plain
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from specjax import generate, load, load_drafter
 from specjax.bench_ar import machine_info
-from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for, tree_replay
+from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
+from specjax.drafters.replay import tree_replay
 from specjax.calibration import calibrate
 from specjax.planner import CALIBRATION_TREE, auto_cost
 from specjax.tree import kary

@@ -315,7 +315,7 @@ def test_tree_replay_accepts_as_the_positional_model_says():
     """Many rows, one shape: measured per-rank acceptance matches alpha (1 - alpha)^r."""
     import specjax
 
-    from specjax.bench_plan import tree_replay
+    from specjax.drafters.replay import tree_replay
 
     target = tiny_target(1)
     prompts = np.random.default_rng(0).integers(3, 512, size=(32, 8)).tolist()

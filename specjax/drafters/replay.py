@@ -11,6 +11,10 @@ carries the confidence a block drafter such as DSpark reports (Draft.confidence,
 the true P(accept | prefix accepted) = 1 - the row's corrupt_prob, plus optional Gaussian
 noise (`confidence_noise`, clipped to [0.01, 0.99]), and 0 past the reference. It lets the
 prefix scheduler (specjax/scheduler.py) be tested and benchmarked without a trained head.
+
+`TreeReplayDrafter` does the same for any static tree: under every node the true next token is
+the rank-r child with probability alpha (1 - alpha)^r, so greedy verification accepts exactly as
+the planner's positional model says (scripts/load_curve.py, scripts/plan_check.py).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..verify import Draft, Verdict
 from ..request import bucket
 from ..sampling import split_rows, uniform_rows
-from ..tree import spec_arrays
+from ..tree import child_ranks, spec_arrays
+from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings, require_chain
 
 
@@ -126,3 +130,61 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
     if confidence:
         params["confidence_noise"] = jnp.float32(confidence_noise)
     return ReplayDrafter(vocab_size, params=params, confidence=confidence)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeReplayDrafter:
+    """Benchmarking drafter: replays a reference continuation into any static tree at positional acceptance
+    alpha (1 - alpha)^r by child rank. params: {"reference": int32 [B, M], "alpha": float32 []}."""
+
+    vocab_size: int
+    params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    settings: Settings | None = None
+    name: str = "tree-replay"
+    feature_layers: tuple[int, ...] = ()
+
+    def configure(self, settings: Settings) -> "TreeReplayDrafter":
+        return dataclasses.replace(self, settings=settings)
+
+    def calls_per_round(self) -> int:
+        return 0
+
+    def init(self, params, ctx: PrefillContext):
+        if params["reference"].shape[0] != ctx.prompt.shape[0]:
+            raise ValueError(f"reference has {params['reference'].shape[0]} rows, the padded batch "
+                             f"{ctx.prompt.shape[0]}: build it from plain decoding of these prompts")
+        return jnp.ones((ctx.prompt.shape[0],), jnp.int32)  # reference index of the token after the root
+
+    def propose(self, params, state, root_B, keys_B):
+        spec = self.settings.tree
+        ref_BM, alpha = params["reference"], params["alpha"]
+        b, m = ref_BM.shape
+        n, depth, ranks = spec.num_nodes, spec.depths, child_ranks(spec)
+        idx_BD = state[:, None] + jnp.arange(max(spec.max_depth, 1))[None, :]
+        true_BD = jnp.take_along_axis(ref_BM, jnp.clip(idx_BD, 0, m - 1), axis=1)
+        k_rank_B, k_tok_B = split_rows(keys_B, 2)
+        u_BN = uniform_rows(k_rank_B, (b, n))
+        # Rank of the true token among each node's children: geometric, P(R = r) = alpha (1 - alpha)^r.
+        log_miss = jnp.log1p(-jnp.minimum(alpha, 1.0 - 1e-7))
+        true_rank_BN = jnp.where(alpha > 0, jnp.floor(jnp.log(jnp.maximum(u_BN, 1e-30)) / log_miss), 1e6)
+        offset_BN = jax.vmap(lambda k: jax.random.randint(k, (n,), 1, self.vocab_size))(k_tok_B)
+        cols = [root_B]
+        for i in range(1, n):
+            truth_B = true_BD[:, depth[i] - 1]
+            hit_B = true_rank_BN[:, spec.parents[i]] == ranks[i]
+            cols.append(jnp.where(hit_B, truth_B, (truth_B + offset_BN[:, i]) % self.vocab_size))
+        tokens_BN = jnp.stack(cols, axis=1).astype(jnp.int32)
+        valid_BN = (state[:, None] + jnp.asarray(depth)[None, :] - 1 < m) | (jnp.arange(n) == 0)[None, :]
+        return Draft(tokens_BN, spec_arrays(spec, b), valid_BN), state
+
+    def update(self, params, state, draft: Draft, verdict: Verdict, features):
+        return state + verdict.num_accepted
+
+
+def tree_replay(continuations: list[list[int]], vocab: int, alpha: float) -> TreeReplayDrafter:
+    """Build from the target's continuation of each prompt: drafts under every node hit at rank r w.p. alpha (1-alpha)^r."""
+    rows, width = bucket(len(continuations), minimum=1), max(1, max(len(c) for c in continuations))
+    ref = np.zeros((rows, width), np.int32)
+    for i, c in enumerate(continuations):
+        ref[i, : len(c)] = c
+    return TreeReplayDrafter(vocab, params={"reference": jnp.asarray(ref), "alpha": jnp.float32(alpha)})
