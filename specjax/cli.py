@@ -66,13 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_convert)
 
-    p = sub.add_parser("export", help="specjax checkpoint (with its MTP layers), MTP-only dir + --target, or "
-                                      "EAGLE-3 training run -> Hugging Face / SafeAILab dir")
+    p = sub.add_parser("export", help="specjax checkpoint (with its MTP layers), MTP-only dir + --target, "
+                                      "EAGLE-3 training run, DFlash or DSpark head -> Hugging Face / SafeAILab / "
+                                      "z-lab / DeepSpec dir")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: the source's")
     p.add_argument("--target", default=None,
-                   help="for an MTP-only src: the target it was made for (written together, MTP layers included)")
+                   help="for an MTP-only src: the target it was made for (written together, MTP layers included); "
+                        "for a DSpark head stored without its embed/lm_head copies: the target they come from "
+                        "(default: the head's own reference)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_export)
 

@@ -26,6 +26,15 @@ original loads it from the target). The source is an EAGLE-3 training run (see
 `scripts/train_eagle3.py`: its orbax checkpoints and `eagle3_head.json`) or, from Python,
 a config and params.
 
+DFlash heads (z-lab, `DFlashDraftModel`) and DSpark heads (DeepSpec, `Qwen3DSparkModel`) are written
+in their originals' formats (convert/dflash.py, convert/dspark.py read them back): config.json and
+model.safetensors with fc, hidden_norm, norm and layers.{i}.* (DSpark adds markov_head.* and
+confidence_head.proj.* and its embed_tokens / lm_head copies). `export_dflash` / `export_dspark`
+write one from a config and params (what scripts/train_block.py ships); `specjax export` of such a
+directory re-writes it in the original's format: a DFlash directory as it is (cast to --dtype), a
+DSpark directory with the embed_tokens / lm_head copies DeepSpec's loader needs taken from the target
+(--target, or the directory's `specjax_tables_from_target` reference) when the directory left them out.
+
 Every write goes to a temporary sibling directory renamed into place at the end (an existing
 destination is replaced only with overwrite, and survives until the new one is complete).
 """
@@ -48,6 +57,8 @@ from .convert.hf import _LAYER_KEYS as MODEL_LAYER_KEYS
 from .convert.hf import load_hf, read_json
 from .convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
 from .convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
+from .drafters.dflash import BlockConfig
+from .drafters.dspark import DSparkConfig
 from .drafters.eagle3 import Eagle3Config
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -285,10 +296,184 @@ def export_eagle3_run(run_dir: str | Path, dst: str | Path, *, dtype: str | None
                         overwrite=overwrite)
 
 
+# ---- DFlash and DSpark heads ------------------------------------------------------------------------------
+
+
+def _block_hf_config(cfg: BlockConfig, num_target_layers: int, dtype: str) -> dict[str, Any]:
+    """The Qwen3 fields shared by the DFlash and DSpark config.json of a block backbone."""
+    lc = cfg.layers
+    if lc.rope.rope_type != "default":
+        raise ValueError(f"block drafters are written with default RoPE; this one is {lc.rope.rope_type!r}")
+    return {"model_type": "qwen3", "vocab_size": lc.vocab_size, "hidden_size": lc.hidden_size,
+            "intermediate_size": lc.intermediate_size, "num_hidden_layers": lc.num_layers,
+            "num_attention_heads": lc.num_heads, "num_key_value_heads": lc.num_kv_heads, "head_dim": lc.head_dim,
+            "max_position_embeddings": lc.max_position_embeddings, "rms_norm_eps": lc.rms_norm_eps,
+            "rope_theta": lc.rope.theta, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "layer_types": ["full_attention"] * lc.num_layers,
+            "num_target_layers": num_target_layers, "torch_dtype": dtype}
+
+
+def dflash_hf_config(cfg: BlockConfig, num_target_layers: int, dtype: str | None = None) -> dict[str, Any]:
+    """z-lab's config.json of a DFlash drafter: what `convert.dflash.dflash_config` reads back to `cfg`."""
+    config = {"architectures": ["DFlashDraftModel"], **_block_hf_config(cfg, num_target_layers, dtype or
+                                                                        cfg.layers.dtype)}
+    config["block_size"] = cfg.block_size
+    config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    return config
+
+
+def block_tensors(params: dict, cfg: BlockConfig, dtype: str) -> dict[str, np.ndarray]:
+    """The backbone's tensors under the originals' names ([in, out] -> torch [out, in]), stacked or per-layer."""
+    from .convert.dflash import LAYER_KEYS as BLOCK_LAYER_KEYS, TOP_KEYS as BLOCK_TOP_KEYS  # noqa: PLC0415
+
+    tensors = {name: _cast(np.asarray(params[key]).T if tr else params[key], dtype)
+               for key, (name, tr) in BLOCK_TOP_KEYS.items()}
+    layers = params["layers"]
+    per_layer = list(layers) if isinstance(layers, (list, tuple)) else [
+        {k: v[i] for k, v in layers.items()} for i in range(cfg.layers.num_layers)]
+    for i, p in enumerate(per_layer):
+        for key, (name, tr) in BLOCK_LAYER_KEYS.items():
+            tensors[f"layers.{i}.{name}"] = _cast(np.asarray(p[key]).T if tr else p[key], dtype)
+    return tensors
+
+
+def export_dflash(cfg: BlockConfig, params: dict, dst: str | Path, *, num_target_layers: int,
+                  dtype: str | None = None, overwrite: bool = False) -> Path:
+    """Write a DFlash drafter (block params: fc, hidden_norm, final_norm, layers) in z-lab's format."""
+    dtype = dtype or cfg.layers.dtype
+    return write_hf_dir(dst, dflash_hf_config(cfg, num_target_layers, dtype), block_tensors(params, cfg, dtype),
+                        overwrite=overwrite)
+
+
+def dspark_hf_config(cfg: DSparkConfig, num_target_layers: int, dtype: str | None = None,
+                     num_anchors: int = 512) -> dict[str, Any]:
+    """DeepSpec's config.json of a DSpark drafter (build_draft_config's fields): what `convert.dspark` reads back."""
+    config = {"architectures": ["Qwen3DSparkModel"], **_block_hf_config(cfg.block, num_target_layers,
+                                                                          dtype or cfg.block.layers.dtype)}
+    config |= {"block_size": cfg.block_size, "mask_token_id": cfg.block.mask_token_id,
+               "target_layer_ids": list(cfg.block.target_layer_ids), "num_anchors": num_anchors,
+               "markov_rank": cfg.markov_rank, "enable_confidence_head": cfg.confidence}
+    if cfg.markov_rank:
+        config["markov_head_type"] = cfg.markov_head_type
+    if cfg.confidence:
+        config["confidence_head_with_markov"] = cfg.confidence_with_markov
+    return config
+
+
+def dspark_tensors(params: dict, cfg: DSparkConfig, dtype: str, include_tables: bool = True) -> dict[str, np.ndarray]:
+    """DeepSpec's tensors of DSpark params: the backbone, markov_head.*, confidence_head.proj.* and (with
+    include_tables) embed_tokens / lm_head [V, H] (a params dict without `lm_head` has a tied one: the embed)."""
+    tensors = block_tensors(params, cfg.block, dtype)
+    if cfg.markov_rank:
+        tensors["markov_head.markov_w1.weight"] = _cast(params["markov_w1"], dtype)
+        tensors["markov_head.markov_w2.weight"] = _cast(params["markov_w2"], dtype)
+    if cfg.confidence:
+        tensors["confidence_head.proj.weight"] = _cast(np.asarray(params["confidence_w"])[None, :], dtype)
+        tensors["confidence_head.proj.bias"] = _cast(np.asarray(params["confidence_b"]).reshape(1), dtype)
+    if include_tables:
+        embed = _cast(params["embed"], dtype)
+        tensors["embed_tokens.weight"] = embed
+        tensors["lm_head.weight"] = _cast(np.asarray(params["lm_head"]).T, dtype) if "lm_head" in params else embed
+    return tensors
+
+
+def export_dspark(cfg: DSparkConfig, params: dict, dst: str | Path, *, num_target_layers: int,
+                  dtype: str | None = None, tables_from: str | None = None, num_anchors: int = 512,
+                  extra_files: dict[str, Path] | None = None, overwrite: bool = False) -> Path:
+    """Write a DSpark drafter in DeepSpec's format; with `tables_from` (a path to the target, relative to dst) the
+    embed_tokens / lm_head copies are left out and config.json names the target they come from instead."""
+    from .convert.dspark import TABLES_FROM_TARGET  # noqa: PLC0415
+
+    dtype = dtype or cfg.block.layers.dtype
+    config = dspark_hf_config(cfg, num_target_layers, dtype, num_anchors)
+    if tables_from is not None:
+        config[TABLES_FROM_TARGET] = {"target": tables_from,
+                                   "note": "embed_tokens / lm_head are the target's (tied), not stored here; "
+                                           "`specjax export` writes them in"}
+    return write_hf_dir(dst, config, dspark_tensors(params, cfg, dtype, include_tables=tables_from is None),
+                        extra_files=extra_files, overwrite=overwrite)
+
+
+def _read_head_dir(src: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json, every tensor by name) of a drafter directory."""
+    from .convert.hf import read_tensors, safetensors_files  # noqa: PLC0415
+
+    return read_json(src / "config.json"), read_tensors(safetensors_files(src))
+
+
+def export_dflash_dir(src: str | Path, dst: str | Path, *, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """A DFlash directory (z-lab's format, e.g. checkpoints/tiny/dflash) re-written in z-lab's format, cast to dtype."""
+    src = Path(src)
+    config, tensors = _read_head_dir(src)
+    dtype = dtype or config.get("torch_dtype") or "float32"
+    config = {**{k: v for k, v in config.items() if k != "dtype"}, "torch_dtype": dtype}
+    return write_hf_dir(dst, config, {k: _cast(v, dtype) for k, v in tensors.items()}, overwrite=overwrite)
+
+
+def export_dspark_dir(src: str | Path, dst: str | Path, *, target: str | Path | None = None,
+                      dtype: str | None = None, overwrite: bool = False) -> Path:
+    """A DSpark directory re-written in DeepSpec's format, with the embed_tokens / lm_head copies DeepSpec loads.
+
+    When src left them out, they come from `target` (default: the directory's `specjax_tables_from_target`
+    reference, relative to src): its embedding, and its lm_head (the embedding when tied).
+    A confidence_calibration.json is copied along.
+    """
+    from .convert.dspark import CALIBRATION_FILE, TABLES_FROM_TARGET  # noqa: PLC0415
+
+    src = Path(src)
+    config, tensors = _read_head_dir(src)
+    dtype = dtype or config.get("torch_dtype") or "float32"
+    ref = config.pop(TABLES_FROM_TARGET, None)
+    missing = [n for n in ("embed_tokens.weight", "lm_head.weight") if n not in tensors]
+    if missing:
+        if target is None and isinstance(ref, dict) and ref.get("target"):
+            target = src / ref["target"]
+        if target is None:
+            raise ValueError(f"{src} has no {missing} (DSpark's copies of the target's tables): pass the target "
+                             "with --target (export(..., target=...))")
+        target = Path(target)
+        if not target.exists():
+            raise FileNotFoundError(f"target {target} does not exist (the DSpark head's embed_tokens / lm_head "
+                                    "come from it)")
+        params, hf_config, _ = _read_target(target, None)
+        embed = np.asarray(params["embed"])
+        if embed.shape != (config["vocab_size"], config["hidden_size"]):
+            raise ValueError(f"target {target} has an embedding of shape {embed.shape}; the DSpark head needs "
+                             f"[{config['vocab_size']}, {config['hidden_size']}]")
+        tied = bool(hf_config.get("tie_word_embeddings", False))
+        tensors["embed_tokens.weight"] = embed
+        tensors["lm_head.weight"] = embed if tied else np.asarray(params["lm_head"]).T
+    elif target is not None:
+        raise ValueError(f"{src} already carries its embed_tokens / lm_head; --target is not needed")
+    config = {**{k: v for k, v in config.items() if k != "dtype"}, "torch_dtype": dtype}
+    calibration = src / CALIBRATION_FILE
+    extra = {CALIBRATION_FILE: calibration} if calibration.is_file() else None
+    return write_hf_dir(dst, config, {k: _cast(v, dtype) for k, v in tensors.items()}, extra_files=extra,
+                        overwrite=overwrite)
+
+
+def _head_family(path: Path) -> str | None:
+    """'dflash' / 'dspark' for a DFlash or DSpark directory (by its config.json), else None."""
+    from .convert.dflash import is_dflash_config  # noqa: PLC0415
+    from .convert.dspark import is_dspark_config  # noqa: PLC0415
+
+    file = path / "config.json"
+    if checkpoint.is_checkpoint(path) or not file.is_file():
+        return None
+    config = read_json(file)
+    if not isinstance(config, dict):
+        return None
+    if is_dspark_config(config):
+        return "dspark"
+    return "dflash" if is_dflash_config(config) else None
+
+
 def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False,
            target: str | Path | None = None) -> Path:
-    """`specjax export`: a converted target / draft checkpoint, an EAGLE-3 training run, or an MTP-only
-    directory with its `target`, by what src holds."""
+    """`specjax export`: a converted target / draft checkpoint, an EAGLE-3 training run, an MTP-only
+    directory with its `target`, or a DFlash / DSpark head (a DSpark head without its tables takes them
+    from `target` or its own reference), by what src holds."""
     src = Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a directory: pass a converted specjax checkpoint, an EAGLE-3 "
@@ -300,8 +485,17 @@ def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwr
             raise ValueError(f"{src} holds only MTP layers (specjax_mtp_only): pass the target they were made for "
                              "with --target (export(..., target=...)); the export is the target with its MTP layers")
         return export_mtp_only(src, target, dst, dtype=dtype, overwrite=overwrite)
+    family = _head_family(src)
+    if family == "dspark":
+        return export_dspark_dir(src, dst, target=target, dtype=dtype, overwrite=overwrite)
+    if family == "dflash":
+        if target is not None:
+            raise ValueError(f"{src} is a DFlash head, which never carries the target's tables; --target is not "
+                             "needed")
+        return export_dflash_dir(src, dst, dtype=dtype, overwrite=overwrite)
     if target is not None:
-        raise ValueError(f"--target is for exporting an MTP-only directory with its target; {src} is not one")
+        raise ValueError(f"--target is for exporting an MTP-only directory or a DSpark head with its target; {src} "
+                         "is neither")
     if checkpoint.is_checkpoint(src):
         return export_model(src, dst, dtype=dtype, overwrite=overwrite)
     if is_eagle3_run(src):

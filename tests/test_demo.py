@@ -13,8 +13,9 @@ def test_demo_runs_and_every_method_matches_plain_decoding():
     console = Console(file=io.StringIO(), width=100)
     rows = run_demo(max_new_tokens=16, console=console)  # raises if any method's output differs from plain
     methods = [r["method"] for r in rows]
-    assert methods[0] == "plain decoding" and len(rows) == 7
+    assert methods[0] == "plain decoding" and len(rows) == 10
     assert any(m.startswith("EAGLE-3, dynamic tree") for m in methods) and "MTP, chain of 3" in methods
+    assert any(m.startswith("DFlash") for m in methods) and any(m.endswith("confidence scheduler") for m in methods)
     assert all(r["tau"] >= 1.0 for r in rows)
     assert all(r["match_rate"] == 1.0 and r["first_divergence"] is None for r in rows)  # fp32: exact
     draft_chain = rows[1]
@@ -31,7 +32,7 @@ def test_cli_entry_point_reports_bad_paths_cleanly(tmp_path):
 def test_demo_in_bf16_reports_agreement_instead_of_raising():
     console = Console(file=io.StringIO(), width=160)
     rows = run_demo(max_new_tokens=16, console=console, dtype="bfloat16")
-    assert len(rows) == 7
+    assert len(rows) == 10
     for row in rows:  # a near-tie may flip in bf16: measured and shown, never an AssertionError
         assert 0.0 <= row["match_rate"] <= 1.0 and "first_divergence" in row, row
     shown = console.file.getvalue()
