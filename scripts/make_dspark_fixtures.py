@@ -267,6 +267,8 @@ def round_trip(torch, head_dir: Path, target_dir: Path, prompt_len: int = 11, to
     target = specjax.load(target_dir, dtype="float32", attn_impl="xla")
     drafter = dspark_drafter(head_dir, target, dtype="float32")
     k = model.block_size
+    if drafter.cfg.confidence:  # the original's confidence head is uncalibrated: compare before temperature scaling
+        drafter = drafter.with_temperatures(np.ones((k,), np.float32))
     drafter = drafter.configure(Settings(chain(k), SamplingConfig(), 128, 16, record_logits=True))
     width = hf_target.config.hidden_size
     split = [jnp.asarray(feats[0, :, i * width:(i + 1) * width].numpy())[None]
