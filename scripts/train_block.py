@@ -43,6 +43,7 @@ from specjax.export import export_dflash, export_dspark
 from specjax.train import block as tb
 from specjax.train import corpus, data, trainer
 from specjax.train.runlog import RunLog
+from specjax.train.tiny import head_acceptance
 
 STAGES = ("data", "train", "export")
 
@@ -201,27 +202,9 @@ def calibrate(args, target, pool, log) -> dict:
 
 
 def measure_tau(args, target, prompts: list[str], log) -> dict:
-    """Greedy tau of the real speculative loop with the written head; outputs checked equal to plain."""
-    drafter = specjax.load_drafter(args.out, target)
-    plain = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens)
-    out = {}
-    for k in (int(c) for c in args.chains.split(",")):
-        res = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens, drafter=drafter,
-                               num_draft_tokens=k)
-        if res.tokens != plain.tokens:
-            raise RuntimeError(f"speculative output with the {args.family} head (chain of {k}) differs from plain "
-                               "greedy decoding")
-        stats = res.stats
-        per_pos = [float(x) for x in stats["per_position_acceptance"]]
-        log(f"tau (chain of {k}): {stats['acceptance_length']:.3f}, per position {[round(x, 3) for x in per_pos]}")
-        out[f"chain_{k}"] = {
-            "measured_greedy_tau": float(stats["acceptance_length"]), "per_position_acceptance": per_pos,
-            "num_draft_tokens": k, "max_new_tokens": args.eval_new_tokens,
-            "drafter_calls_per_token": float(stats["drafter_calls_per_token"]),
-            "rounds": int(stats["rounds"]), "outputs_equal_plain_greedy": True,
-            "measured_with": f"specjax.generate(target, held_out_prompts, max_new_tokens={args.eval_new_tokens}, "
-                             f"drafter=load_drafter('{args.out}', target), num_draft_tokens={k})"}
-    return out
+    """Greedy tau of the real speculative loop with the written head, per --chains; outputs checked equal to plain."""
+    return head_acceptance(target, args.out, prompts, [int(c) for c in args.chains.split(",")],
+                           args.eval_new_tokens, log)
 
 
 def dir_bytes(path: Path) -> int:

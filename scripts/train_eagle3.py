@@ -36,6 +36,7 @@ import numpy as np
 import specjax
 from specjax import export as ex
 from specjax.train.runlog import RunLog
+from specjax.train.tiny import head_acceptance
 from specjax.train import corpus, data, tiny, trainer
 from specjax.train import eagle3 as ttt
 
@@ -121,21 +122,8 @@ def stage_train(args, target, cfg, d2t, pool, log) -> dict:
 
 def measure_tau(args, target, prompts: list[str], log) -> dict:
     """Greedy tau of the real speculative loop with the exported head; outputs checked equal to plain."""
-    drafter = specjax.load_drafter(args.out, target)
-    plain = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens)
-    res = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens, drafter=drafter,
-                           num_draft_tokens=args.num_draft_tokens)
-    if res.tokens != plain.tokens:
-        raise RuntimeError("speculative output with the EAGLE-3 head differs from plain greedy decoding")
-    stats = res.stats
-    log(f"tau (chain of {args.num_draft_tokens}): {stats['acceptance_length']:.3f}, per position "
-        f"{[round(x, 3) for x in stats['per_position_acceptance']]}")
-    return {"measured_greedy_tau": float(stats["acceptance_length"]),
-            "per_position_acceptance": [float(x) for x in stats["per_position_acceptance"]],
-            "num_draft_tokens": args.num_draft_tokens, "max_new_tokens": args.eval_new_tokens,
-            "outputs_equal_plain_greedy": True,
-            "measured_with": "specjax.generate(target, held_out_prompts, max_new_tokens=64, "
-                             "drafter=load_drafter('checkpoints/tiny/eagle3', target), num_draft_tokens=4)"}
+    k = args.num_draft_tokens
+    return head_acceptance(target, args.out, prompts, [k], args.eval_new_tokens, log)[f"chain_{k}"]
 
 
 def dir_bytes(path: Path) -> int:

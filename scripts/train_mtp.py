@@ -36,6 +36,7 @@ import numpy as np
 
 import specjax
 from specjax.train.runlog import RunLog
+from specjax.train.tiny import head_acceptance
 from specjax.train import corpus, data, trainer
 from specjax.train import mtp as tm
 
@@ -113,27 +114,9 @@ def stage_train(args, target, pool, log) -> dict:
 
 
 def measure_tau(args, target, prompts: list[str], log) -> dict:
-    """Greedy tau of the real speculative loop with the exported head; outputs checked equal to plain."""
-    drafter = specjax.load_drafter(args.out, target)
-    plain = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens)
-    out = {}
-    for k in (int(c) for c in args.chains.split(",")):
-        res = specjax.generate(target, prompts, max_new_tokens=args.eval_new_tokens, drafter=drafter,
-                               num_draft_tokens=k)
-        if res.tokens != plain.tokens:
-            raise RuntimeError(f"speculative output with the MTP head (chain of {k}) differs from plain greedy "
-                               "decoding")
-        stats = res.stats
-        per_pos = [float(x) for x in stats["per_position_acceptance"]]
-        log(f"tau (chain of {k}): {stats['acceptance_length']:.3f}, per position {[round(x, 3) for x in per_pos]}")
-        out[f"chain_{k}"] = {
-            "measured_greedy_tau": float(stats["acceptance_length"]), "per_position_acceptance": per_pos,
-            "max_per_position_acceptance": max(per_pos), "num_draft_tokens": k,
-            "drafter_calls_per_token": float(stats["drafter_calls_per_token"]), "rounds": int(stats["rounds"]),
-            "outputs_equal_plain_greedy": True,
-            "measured_with": f"specjax.generate(target, held_out_prompts, max_new_tokens={args.eval_new_tokens}, "
-                             f"drafter=load_drafter('{args.out}', target), num_draft_tokens={k})"}
-    return out
+    """Greedy tau of the real speculative loop with the exported head, per --chains; outputs checked equal to plain."""
+    return head_acceptance(target, args.out, prompts, [int(c) for c in args.chains.split(",")],
+                           args.eval_new_tokens, log)
 
 
 def dir_bytes(path: Path) -> int:

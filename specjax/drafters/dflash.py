@@ -217,6 +217,16 @@ def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, 
     return params
 
 
+def require_block_chain(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
+    """A block drafter proposes a chain of at most one block's drafts: refuse a tree or a longer chain, saying why."""
+    require_chain(family.lower(), settings)
+    k = settings.tree.num_nodes - 1
+    if k > max_draft_tokens:
+        raise ValueError(f"num_draft_tokens={k} is more than one {family} block gives: block_size {block_size} "
+                         f"drafts at most {max_draft_tokens} tokens per round; pass num_draft_tokens <= "
+                         f"{max_draft_tokens}")
+
+
 # ---- the drafter: chains -----------------------------------------------------------------------------------
 
 
@@ -263,12 +273,7 @@ class DFlashDrafter:
         return self.cfg.block_size - 1
 
     def configure(self, settings: Settings) -> "DFlashDrafter":
-        require_chain(self.name, settings)
-        k = settings.tree.num_nodes - 1
-        if k > self.max_draft_tokens:
-            raise ValueError(f"num_draft_tokens={k} is more than one DFlash block gives: block_size "
-                             f"{self.cfg.block_size} drafts at most {self.max_draft_tokens} tokens per round; pass "
-                             f"num_draft_tokens <= {self.max_draft_tokens}")
+        require_block_chain("DFlash", settings, self.cfg.block_size, self.max_draft_tokens)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:

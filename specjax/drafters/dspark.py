@@ -63,9 +63,9 @@ from ..models.decoder import has_layer_list, unstack_layers
 from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import spec_arrays
 from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, require_chain
+from .base import PrefillContext, Settings
 from .dflash import (BlockConfig, block_cache_len, block_embeddings, block_hidden, context_features, init_block_cache,
-                     init_params as init_block_params, vocab_logits, write_context)
+                     init_params as init_block_params, require_block_chain, vocab_logits, write_context)
 
 MARKOV_HEAD_TYPES = ("vanilla",)
 
@@ -230,12 +230,7 @@ class DSparkDrafter:
         return self.cfg.block_size
 
     def configure(self, settings: Settings) -> "DSparkDrafter":
-        require_chain(self.name, settings)
-        k = settings.tree.num_nodes - 1
-        if k > self.max_draft_tokens:
-            raise ValueError(f"num_draft_tokens={k} is more than one DSpark block gives: block_size "
-                             f"{self.cfg.block_size} drafts at most {self.max_draft_tokens} tokens per round; pass "
-                             f"num_draft_tokens <= {self.max_draft_tokens}")
+        require_block_chain("DSpark", settings, self.cfg.block_size, self.max_draft_tokens)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:

@@ -76,3 +76,31 @@ def distinct_ngram_ratio(tokens: list[int], n: int = 4) -> float:
     """Distinct n-grams / all n-grams of one sequence: 1.0 never repeats, a loop drives it toward 0."""
     grams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def head_acceptance(target, head_dir, prompts: list[str], chains: list[int], max_new_tokens: int,
+                    log=print) -> dict[str, dict]:
+    """Greedy tau of a written drafter head in the real speculative loop, per chain length, for its manifest entry.
+
+    Every speculative output is checked equal to plain greedy decoding (a RuntimeError otherwise).
+    Returns {"chain_K": record} with tau, per-position acceptance, drafter passes per token and the call.
+    """
+    import specjax  # noqa: PLC0415 (train/ sits above the API)
+
+    drafter = specjax.load_drafter(head_dir, target)
+    plain = specjax.generate(target, prompts, max_new_tokens=max_new_tokens)
+    records = {}
+    for k in chains:
+        out = specjax.generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter, num_draft_tokens=k)
+        if out.tokens != plain.tokens:
+            raise RuntimeError(f"speculative output with {head_dir} (chain of {k}) differs from plain greedy decoding")
+        per_pos = [float(x) for x in out.stats["per_position_acceptance"]]
+        log(f"tau (chain of {k}): {out.stats['acceptance_length']:.3f}, per position {[round(x, 3) for x in per_pos]}")
+        records[f"chain_{k}"] = {
+            "measured_greedy_tau": float(out.stats["acceptance_length"]), "per_position_acceptance": per_pos,
+            "max_per_position_acceptance": max(per_pos), "num_draft_tokens": k, "max_new_tokens": max_new_tokens,
+            "drafter_calls_per_token": float(out.stats["drafter_calls_per_token"]),
+            "rounds": int(out.stats["rounds"]), "outputs_equal_plain_greedy": True,
+            "measured_with": f"specjax.generate(target, held_out_prompts, max_new_tokens={max_new_tokens}, "
+                             f"drafter=load_drafter('{head_dir}', target), num_draft_tokens={k})"}
+    return records
