@@ -294,6 +294,16 @@ def test_greedy_equals_plain_decoding_with_eos_mid_block(bigram_pair, prompts, p
     assert out.tokens == want and want[1][-1] == eos and len(want[1]) < 23
 
 
+@pytest.mark.parametrize("mode", ["confidence", "prefix"])
+def test_greedy_equals_plain_decoding_with_the_prefix_scheduler(bigram_pair, prompts, plain, mode):
+    """DSpark's own confidences drive the scheduler; verifying fewer drafts never changes the output."""
+    target, drafter = bigram_pair
+    out = specjax.generate(target, prompts, max_new_tokens=23, eos_token_id=[], drafter=drafter, num_draft_tokens=4,
+                           scheduler=mode, scheduler_profile="roofline")
+    assert out.tokens == plain.tokens
+    assert out.stats["scheduler"]["mode"] == mode and sum(out.stats["verified_width_rounds"].values()) > 0
+
+
 def test_inspect_draft_returns_markov_logits_and_confidences(bigram_pair, prompts):
     target, drafter = bigram_pair
     out = specjax.inspect_draft(target, drafter, prompts[0], num_draft_tokens=4)
