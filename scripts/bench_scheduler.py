@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import generate, replay_drafter
-from specjax.bench_ar import PRESETS, machine_info, random_prompts
+from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench_spec import random_model
 from specjax.cache import init_cache
 from specjax.models.decoder import (attn_out_and_mlp, cached_attention, causal_mask, forward, has_layer_list,
@@ -46,9 +46,7 @@ from specjax.profile import DEVICES, CostModel, Profile, Roofline, device_kind, 
 from specjax.request import round_cache_length
 from specjax.scheduler import verify_widths
 
-MICRO = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-MODELS = {**PRESETS, "micro": MICRO}
+MODELS = {**PRESETS, "micro": MICRO_PRESET}
 
 
 def measured_profile(target, batches: list[int], nodes: list[int], cache_len: int, repeats: int, log) -> Profile:

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from specjax import generate
-from specjax.bench_ar import PRESETS, machine_info, random_prompts
+from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for
 from specjax.drafters.replay import tree_replay
 from specjax.bench_spec import random_model
@@ -37,10 +37,7 @@ from specjax.planner import geometric_acceptance, plan, shape_curve
 from specjax.profile import cost_model, profile
 from specjax.target import format_count
 
-# A tiny preset for tests of this script: two layers, 64 wide.
-MICRO = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-MODELS = {**PRESETS, "micro": MICRO}
+MODELS = {**PRESETS, "micro": MICRO_PRESET}
 
 
 def parse_args(argv):
@@ -52,7 +49,7 @@ def parse_args(argv):
     ap.add_argument("--trees", default="8,16,32", help="DP tree budgets (nodes, root included)")
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-pass-tokens", type=int, default=512,
                     help="measure only shapes whose verify pass holds at most this many tokens (batch x nodes); "

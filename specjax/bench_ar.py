@@ -59,6 +59,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
 }
 GPU_PRESETS = ("8b",)
+# Two layers, 64 wide: for tests of the benchmark scripts (seconds, not a model anyone measures).
+MICRO_PRESET = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @dataclasses.dataclass(frozen=True)
