@@ -248,8 +248,8 @@ class Profile:
         return sorted({r["cache_len"] for r in self.verify})
 
     def verify_s(self, batch: int, nodes: int, cache_len: int | None = None) -> float:
-        """Interpolated: piecewise linear in T = batch x nodes per profiled batch (made non-decreasing in T), then
-        linear in batch and in cache length."""
+        """Interpolated: piecewise linear in T = batch x nodes per profiled batch (made non-decreasing in T; past the
+        largest measured T, proportional to T), then linear in batch and in cache length."""
         lens = self.cache_lens
         cache_len = lens[0] if cache_len is None else cache_len
         at_len = [self._verify_at(batch, nodes, c) for c in lens]
@@ -263,7 +263,9 @@ class Profile:
             pts = sorted((r["batch"] * r["nodes"], r["seconds"]) for r in rows if r["batch"] == b)
             # More tokens never cost less: a running max irons out timing noise between neighbouring points.
             secs = np.maximum.accumulate([s for _, s in pts])
-            per_batch.append(interp(batch * nodes, [t for t, _ in pts], secs))
+            tokens, last_t = batch * nodes, pts[-1][0]
+            # Past the largest measured pass, cost grows in proportion to tokens (compute-bound, the safe side).
+            per_batch.append(secs[-1] * tokens / last_t if tokens > last_t else interp(tokens, [t for t, _ in pts], secs))
         return interp(batch, batches, per_batch) if len(batches) > 1 else per_batch[0]
 
     def draft_s(self, batch: int, depth: int) -> float:

@@ -104,8 +104,12 @@ def test_profile_interpolates_in_tokens_per_pass_then_batch():
     prof = Profile("cpu", "m", "float32", rows)
     assert prof.verify_s(1, 4) == pytest.approx(1e-3)
     assert prof.verify_s(4, 4) == pytest.approx(2e-3)  # T = 16 between (4 x 2 = 8) and (4 x 8 = 32)
-    assert prof.verify_s(4, 16) == pytest.approx(8e-3)  # extrapolated along the last slope
+    assert prof.verify_s(4, 16) == pytest.approx(8e-3)  # past the largest pass: proportional to tokens
     assert prof.draft_s(4, 3) == 0.0  # no propose measurements: free
+    # A noisy last point (cheaper than the one before) never makes larger passes cheaper than measured ones.
+    noisy = Profile("cpu", "m", "float32", [{"batch": 8, "nodes": n, "cache_len": 128, "seconds": s}
+                                            for n, s in ((1, 0.5), (2, 0.74), (3, 0.55))])
+    assert noisy.verify_s(8, 3) == pytest.approx(0.74) and noisy.verify_s(8, 6) == pytest.approx(0.74 * 2)
 
 
 # ---------------------------------------------------------------- 1e. the per-batch policy
