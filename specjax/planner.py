@@ -428,6 +428,8 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     """
     global _AUTO_PLANS
     from .calibration import calibrate, run_times
+    from .config import SamplingConfig
+    from .drafters.base import Settings
     from .profile import cost_for_run
     from .request import bucket, prompt_ids
 
@@ -453,12 +455,17 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     cost = cost_for_run(target, drafter, batch, context, times)
     choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees,
                   max_chain=max_chain, plain_s=cost.plain_s)[0]
-    chosen = choice.best.shape
-    if choice.best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
+    best = choice.best
+    if best.shape.kind == "tree" and drafter.configure(
+            Settings(best.shape.spec, SamplingConfig(), 256, 16)).calls_per_round() > 0:
+        best = max([tree_with_its_drafting(best, target, drafter, batch, context, cost), choice.runner_up],
+                   key=lambda c: -1.0 if c is None else c.speedup)
+    chosen = best.shape
+    if best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
         chosen = Shape("off", None, 1.0)
     info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch,
-            "predicted_tau": chosen.tau, "predicted_speedup": choice.best.speedup if chosen.spec else 1.0,
-            "best_predicted": choice.best.shape.label, "best_predicted_speedup": choice.best.speedup,
+            "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
+            "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
             "p_rank": list(cal.p_rank), "calibration_shape": spec.num_nodes,
             "calibration_tau_measured": cal.measured_tau, "calibration_tau_predicted": cal.predicted_tau,
@@ -466,6 +473,18 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
             "cached": False}
     plans[key] = (drafter.params, chosen.spec, info, cost)
     return chosen.spec, info
+
+
+def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost) -> Scored:
+    """Rescore a planned tree with its own drafting time: a draft model runs every level's whole frontier, so a
+    tree's propose costs more than the chain of the same depth that the cost model's draft_s measured."""
+    from .profile import time_propose
+
+    spec = tree.shape.spec
+    tree_s, _ = time_propose(target, drafter, batch, spec, cache_len, repeats=3)
+    chain_s, _ = time_propose(target, drafter, batch, spec.max_depth, cache_len, repeats=3)
+    round_s = tree.round_s + max(0.0, tree_s - chain_s)
+    return Scored(tree.shape, round_s, tree.speedup * tree.round_s / round_s)
 
 
 def auto_cost(target, drafter, batch: int):

@@ -393,8 +393,9 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
     return _median_s(run, repeats)
 
 
-def time_propose(target, drafter, batch: int, depth: int, cache_len: int, repeats: int = 5) -> tuple[float, list[float]]:
-    """Median seconds of the drafter's propose for a chain of `depth` at this batch (state donated and reused)."""
+def time_propose(target, drafter, batch: int, depth, cache_len: int, repeats: int = 5) -> tuple[float, list[float]]:
+    """Median seconds of the drafter's propose at this batch (state donated and reused) for a chain of `depth`,
+    or for the static tree `depth` when it is a TreeSpec (a draft model's tree levels cost more than a chain's)."""
     import jax
     import jax.numpy as jnp
 
@@ -403,8 +404,10 @@ def time_propose(target, drafter, batch: int, depth: int, cache_len: int, repeat
     from .request import bucket, round_cache_length
     from .tree import chain
 
-    s = round_cache_length(cache_len + depth + 2)
-    configured = drafter.configure(Settings(chain(depth), SamplingConfig(), s, bucket(depth + 1)))
+    spec = chain(depth) if isinstance(depth, int) else depth
+    depth = spec.max_depth
+    s = round_cache_length(cache_len + spec.cache_slots + 2)
+    configured = drafter.configure(Settings(spec, SamplingConfig(), s, bucket(depth + 1)))
     t = max(1, min(cache_len, s - depth - 2))
     prompt_BT = jax.random.randint(jax.random.key(2), (batch, t), 0, target.cfg.vocab_size, jnp.int32)
     feats = tuple(jnp.zeros((batch, t, target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))

@@ -386,3 +386,16 @@ def test_measured_run_times_set_the_plain_step_and_the_round_overhead(tiny_pair,
     assert "round overhead 3.00 ms" in cost.source
     # Too fast a measurement never gives a negative overhead.
     assert cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, 0.001, 5, 4)).draft_s(2, 1) == pytest.approx(0.0005)
+
+
+def test_a_planned_tree_pays_its_own_drafting(monkeypatch):
+    """A draft model's tree levels cost more than the chain of the same depth: the pick is rescored with the
+    difference (timed on the tree itself), which can hand the win to the runner-up."""
+    from specjax import profile
+
+    times = {"tree": 0.005, "chain": 0.001}
+    monkeypatch.setattr(profile, "time_propose", lambda target, drafter, batch, shape, cache_len, repeats=3: (
+        times["chain"] if isinstance(shape, int) else times["tree"], []))
+    tree = planner.Scored(planner.shape_of(kary([3, 1]), (0.6, 0.2)), 0.010, 1.8)
+    rescored = planner.tree_with_its_drafting(tree, None, None, 4, 64, None)
+    assert rescored.round_s == pytest.approx(0.014) and rescored.speedup == pytest.approx(1.8 * 0.010 / 0.014)
