@@ -11,7 +11,7 @@ Both models' tau for the calibration shape are reported next to the measured tau
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from .plain import plain_generate
 from .planner import expected_tau
 from .profile import RunTimes
 from .speculative import speculative_generate
-from .tree import TreeSpec, child_ranks
+from .tree import TreeSpec, chain, child_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,18 +105,29 @@ def calibrate(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32
     return acceptance_from_stats(out.stats, spec)
 
 
-def run_times(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32, sampling=None, seed: int = 0,
-              eos_token_id=None, repeats: int = 3) -> RunTimes:
-    """Median seconds per plain step and per speculative round of `spec` on these prompts (after compiling).
+def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: int = 64, sampling=None,
+              seed: int = 0, eos_token_id=None, repeats: int = 3) -> RunTimes:
+    """Median seconds per plain step and per speculative round of each chain length, prefill excluded.
 
-    Plain and speculative runs alternate, so drift on a shared machine hits both alike.
+    Each loop runs for max_new_tokens and for a quarter of that; the difference in time over the
+    difference in loop iterations is one iteration's cost (the prefill, which on short runs with long
+    prompts is much of the time, cancels). Plain and speculative runs alternate, so drift on a shared
+    machine hits all alike; the first round of runs compiles and is not counted.
     """
-    kw = {"max_new_tokens": max_new_tokens, "sampling": sampling or SamplingConfig(), "seed": seed,
-          "eos_token_id": eos_token_id, "max_len": None}
-    plain, rounds = [], []
-    for _ in range(repeats + 1):  # the first pair compiles (already compiled after a calibration run)
-        p = plain_generate(target, prompts, **kw)
-        s = speculative_generate(target, prompts, drafter, spec=spec, **kw)
-        plain.append(p.stats["decode_s"] / max(p.stats["rounds"], 1))
-        rounds.append(s.stats["decode_s"] / max(s.stats["rounds"], 1))
-    return RunTimes(float(np.median(plain[1:])), float(np.median(rounds[1:])), spec.num_nodes, spec.max_depth)
+    kw = {"sampling": sampling or SamplingConfig(), "seed": seed, "eos_token_id": eos_token_id, "max_len": None}
+    lengths = (max_new_tokens, max(1, max_new_tokens // 4))
+
+    def per_iteration(run) -> float:
+        long, short = (run(n) for n in lengths)
+        iterations = long.stats["rounds"] - short.stats["rounds"]
+        if iterations <= 0:  # every row stopped early (EOS): no difference to take
+            return long.stats["decode_s"] / max(long.stats["rounds"], 1)
+        return (long.stats["decode_s"] - short.stats["decode_s"]) / iterations
+
+    plain, rounds = [], {k: [] for k in chains}
+    for _ in range(repeats + 1):
+        plain.append(per_iteration(lambda n: plain_generate(target, prompts, max_new_tokens=n, **kw)))
+        for k in chains:
+            rounds[k].append(per_iteration(lambda n: speculative_generate(target, prompts, drafter, spec=chain(k),
+                                                                          max_new_tokens=n, **kw)))
+    return RunTimes(float(np.median(plain[1:])), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()))

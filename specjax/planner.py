@@ -409,10 +409,10 @@ def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"
 
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
-CALIBRATION_TOKENS = 32
+CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
 # "auto" speculates only when the prediction beats plain decoding by this much: measured cost models on a
 # shared machine are off by several percent, and a near-tie is not worth the risk of running slower.
-AUTO_MIN_GAIN = 0.05
+AUTO_MIN_GAIN = 0.02
 _AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: (drafter params, spec, info, cost)}
 
 
@@ -450,8 +450,8 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
            "eos_token_id": eos_token_id}
     cal = calibrate(target, drafter, prompts, spec, **run)
     context = max(len(r) for r in ids) + max_new_tokens // 2
-    # Round overheads are timed on a chain, whose drafting the profile's draft_s(batch, depth) models exactly.
-    times = run_times(target, drafter, prompts, chain(min(CALIBRATION_CHAIN, max_chain)), **run)
+    # Round overheads are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
+    times = run_times(target, drafter, prompts, sorted({1, min(CALIBRATION_CHAIN, max_chain)}), **run)
     cost = cost_for_run(target, drafter, batch, context, times)
     choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees,
                   max_chain=max_chain, plain_s=cost.plain_s)[0]

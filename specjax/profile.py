@@ -168,13 +168,11 @@ def profile_key_for(cfg, path: str | Path) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class RunTimes:
-    """Seconds per loop iteration measured on the user's own prompts: plain decoding, and speculative rounds
-    of the calibration shape (nodes, depth)."""
+    """Seconds per loop iteration measured on the user's own prompts: a plain step, and speculative rounds of
+    a few chains as (nodes, depth, seconds)."""
 
     plain_step_s: float
-    spec_round_s: float
-    spec_nodes: int
-    spec_depth: int
+    spec_rounds: tuple[tuple[int, int, float], ...]
 
 
 AUTO_PROFILE_NODES = (1, 4, 16, 64)  # verify passes timed for "auto" (interpolated in between)
@@ -186,10 +184,12 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
 
     Pass costs: from $SPECJAX_PROFILE (a profile JSON) when set; this device's roofline when it is
     `roofline`; else measured here and now at this batch (verify passes of AUTO_PROFILE_NODES, and the
-    drafter's propose at AUTO_PROFILE_DEPTHS). With `times`, plain steps cost what
-    they measured, and every round costs what the calibration shape's measured round took beyond its
-    modelled draft + verify (loop bookkeeping, emission, the drafter's update): on a small or
-    overhead-bound model that is most of a round, and ignoring it would over-promise speculation.
+    drafter's propose at AUTO_PROFILE_DEPTHS). With `times`, plain steps cost what they measured, pass
+    costs are scaled so that one node per row costs a plain step (a pass timed alone carries costs the
+    loop's step does not), and every round costs what the calibration shape's measured round took beyond
+    its modelled draft + verify, fitted as c0 + c1 x nodes over the timed chains (loop bookkeeping, emission, the drafter's
+    update): on a small or overhead-bound model that is much of a round, and ignoring it would over-promise
+    speculation.
     """
     setting = os.environ.get("SPECJAX_PROFILE", "")
     if setting == "roofline":
@@ -203,11 +203,19 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
         base = prof.cost(cache_len)
     if times is None:
         return base
-    modelled = base.verify_s(batch, times.spec_nodes) + base.draft_s(batch, times.spec_depth)
-    overhead = max(0.0, times.spec_round_s - modelled)
-    return CostModel(base.verify_s, lambda b, d: base.draft_s(b, d) + overhead, f"{base.source}; measured here: "
-                     f"plain step {times.plain_step_s * 1e3:.2f} ms, round overhead {overhead * 1e3:.2f} ms",
-                     lambda b: times.plain_step_s)
+    # A pass timed on its own is not a pass inside the loop (dispatch, the plain step's lighter sampling):
+    # scale pass costs so that one node per row costs what the loop's plain step measured.
+    scale = times.plain_step_s / base.verify_s(batch, 1)
+    # What the timed rounds took beyond their scaled pass and drafting: c0 + c1 x nodes (bookkeeping that
+    # grows with the draft: masks, statistics, emission, the drafter's update), fitted on the rounds.
+    n_R = np.array([n for n, _, _ in times.spec_rounds], float)
+    rest_R = np.array([t - scale * base.verify_s(batch, n) - base.draft_s(batch, d) for n, d, t in times.spec_rounds])
+    c1 = max(0.0, float(np.polyfit(n_R, rest_R, 1)[0])) if len(n_R) > 1 and np.ptp(n_R) > 0 else 0.0
+    c0 = max(0.0, float(np.mean(rest_R - c1 * n_R)))
+    verify_s = lambda b, n: scale * base.verify_s(b, n) + c1 * n  # noqa: E731
+    return CostModel(verify_s, lambda b, d: base.draft_s(b, d) + c0, f"{base.source}; measured here: plain step "
+                     f"{times.plain_step_s * 1e3:.2f} ms (passes scaled x{scale:.2f} to it), round overhead "
+                     f"{c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms per node", lambda b: times.plain_step_s)
 
 
 # ---------------------------------------------------------------- measured profile

@@ -380,12 +380,16 @@ def test_measured_run_times_set_the_plain_step_and_the_round_overhead(tiny_pair,
     monkeypatch.setenv("SPECJAX_PROFILE", str(path))
     base = cost_for_run(target, drafter, 2, 64)
     assert base.plain_s is None and base.verify_s(2, 5) == pytest.approx(0.005)
-    cost = cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, 0.005 + 0.002 + 0.003, 5, 4))
-    assert cost.plain_s(2) == 0.0015
+    # The loop's plain step took 1.5 ms where a 1-node pass alone took 1 ms: every pass is scaled by 1.5; the
+    # chains' rounds took 3 ms + 0.1 ms per node more than their scaled pass and drafting.
+    rounds = tuple((n, n - 1, 1.5 * 0.001 * n + 0.0005 * (n - 1) + 0.003 + 0.0001 * n) for n in (2, 5))
+    cost = cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, rounds))
+    assert cost.plain_s(2) == 0.0015 and cost.verify_s(2, 8) == pytest.approx(1.5 * 0.008 + 0.0008)
     assert cost.draft_s(2, 1) == pytest.approx(0.0005 + 0.003)  # the 3 ms nobody modelled, on every round
-    assert "round overhead 3.00 ms" in cost.source
+    assert "passes scaled x1.50" in cost.source and "round overhead 3.00 ms + 0.100 ms per node" in cost.source
     # Too fast a measurement never gives a negative overhead.
-    assert cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, 0.001, 5, 4)).draft_s(2, 1) == pytest.approx(0.0005)
+    fast = cost_for_run(target, drafter, 2, 64, RunTimes(0.0015, ((2, 1, 0.0001), (5, 4, 0.0002))))
+    assert fast.draft_s(2, 1) == pytest.approx(0.0005) and fast.verify_s(2, 4) == pytest.approx(1.5 * 0.004)
 
 
 def test_a_planned_tree_pays_its_own_drafting(monkeypatch):
