@@ -296,7 +296,8 @@ def test_shipped_heads_fit_the_budget_and_are_recorded():
     manifest = json.loads((TINY / "manifest.json").read_text())
     for family in tb.FAMILIES:
         entry = manifest["heads"][family]
-        assert entry["acceptance"]["chain_7"]["outputs_equal_plain_greedy"]
+        assert entry["acceptance"]["num_draft_tokens"] == 7 and entry["acceptance"]["outputs_equal_plain_greedy"]
+        assert entry["acceptance_by_chain"]["chain_7"] == entry["acceptance"]
         assert entry["dtype"] == "bfloat16"
         names = set(load_file(TINY / family / "model.safetensors"))
         assert not {"embed_tokens.weight", "lm_head.weight"} & names  # the target's tables are never stored
