@@ -206,16 +206,17 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
     # A pass timed on its own is not a pass inside the loop (dispatch, the plain step's lighter sampling):
     # scale pass costs so that one node per row costs what the loop's plain step measured.
     scale = times.plain_step_s / base.verify_s(batch, 1)
-    # What the timed rounds took beyond their scaled pass and drafting: c0 + c1 x nodes (bookkeeping that
-    # grows with the draft: masks, statistics, emission, the drafter's update), fitted on the rounds.
+    # What the timed rounds took beyond their scaled pass and drafting, as a line c0 + c1 x nodes through them
+    # (bookkeeping that grows with the draft: masks, statistics, emission, the drafter's update), so the
+    # timed chains are predicted as measured; never negative.
     n_R = np.array([n for n, _, _ in times.spec_rounds], float)
     rest_R = np.array([t - scale * base.verify_s(batch, n) - base.draft_s(batch, d) for n, d, t in times.spec_rounds])
-    c1 = max(0.0, float(np.polyfit(n_R, rest_R, 1)[0])) if len(n_R) > 1 and np.ptp(n_R) > 0 else 0.0
-    c0 = max(0.0, float(np.mean(rest_R - c1 * n_R)))
-    verify_s = lambda b, n: scale * base.verify_s(b, n) + c1 * n  # noqa: E731
-    return CostModel(verify_s, lambda b, d: base.draft_s(b, d) + c0, f"{base.source}; measured here: plain step "
+    c1 = float(np.polyfit(n_R, rest_R, 1)[0]) if len(n_R) > 1 and np.ptp(n_R) > 0 else 0.0
+    c0 = float(np.mean(rest_R - c1 * n_R))
+    verify_s = lambda b, n: scale * base.verify_s(b, n) + max(0.0, c0 + c1 * n)  # noqa: E731
+    return CostModel(verify_s, base.draft_s, f"{base.source}; measured here: plain step "
                      f"{times.plain_step_s * 1e3:.2f} ms (passes scaled x{scale:.2f} to it), round overhead "
-                     f"{c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms per node", lambda b: times.plain_step_s)
+                     f"{c0 * 1e3:.2f} ms {c1 * 1e3:+.3f} ms per node", lambda b: times.plain_step_s)
 
 
 # ---------------------------------------------------------------- measured profile
