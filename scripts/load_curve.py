@@ -57,6 +57,9 @@ def parse_args(argv):
     ap.add_argument("--cost", default="profile", help="profile (measured here first) | cpu | h100 | h200")
     ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows-from", type=Path, default=None,
+                    help="reuse the measured rows of an earlier run's JSON (same arguments) and redo only the profile "
+                         "and the predictions, e.g. when the profile was taken on a busy machine")
     ap.add_argument("--out", default="runs/load_curve.json")
     ap.add_argument("--plot", default="runs/load_curve.png")
     return ap.parse_args(argv)
@@ -92,14 +95,19 @@ def main(argv=None) -> int:
               "alpha": args.alpha, "cost": cost.source, "profile": profile_dict,
               "plans": {c.batch: c.as_dict() for c in choices}, "predicted_speedup": predicted}
     rows = []
+    earlier = json.loads(args.rows_from.read_text())["rows"] if args.rows_from else None
     for b in batches:  # the planner's pick is measured too, when it is not one of the fixed shapes
-        extra = [chosen[b]] if all(s.spec != chosen[b].spec for s in shapes) else []
-        here = [s for s in shapes + extra if s.kind == "off" or b * s.nodes <= args.max_pass_tokens]
-        prompts = random_prompts(b, args.prompt_len, target.cfg.vocab_size, args.seed + b).tolist()
-        base = generate(target, prompts, max_new_tokens=args.max_new_tokens, eos_token_id=[])
-        drafter = tree_replay(base.tokens, target.cfg.vocab_size, args.alpha)
-        rows += measure_shapes(target, prompts, drafter, here, max_new_tokens=args.max_new_tokens,
-                               repeats=args.repeats, batch=b, log=log)
+        if earlier is not None:
+            keep = ("speedup_predicted", "error")
+            rows += [{k: v for k, v in r.items() if k not in keep} for r in earlier if r["batch"] == b]
+        else:
+            extra = [chosen[b]] if all(s.spec != chosen[b].spec for s in shapes) else []
+            here = [s for s in shapes + extra if s.kind == "off" or b * s.nodes <= args.max_pass_tokens]
+            prompts = random_prompts(b, args.prompt_len, target.cfg.vocab_size, args.seed + b).tolist()
+            base = generate(target, prompts, max_new_tokens=args.max_new_tokens, eos_token_id=[])
+            drafter = tree_replay(base.tokens, target.cfg.vocab_size, args.alpha)
+            rows += measure_shapes(target, prompts, drafter, here, max_new_tokens=args.max_new_tokens,
+                                   repeats=args.repeats, batch=b, log=log)
         add_predictions(rows, shapes + list(chosen.values()), cost)
         picks = pick_summary(rows, {bb: s.label for bb, s in chosen.items() if bb <= b})
         result |= {"rows": rows, "picks": picks, "table": format_table(rows, picks)}
@@ -108,8 +116,8 @@ def main(argv=None) -> int:
     print(result["table"])
     log(f"wrote {args.out}")
     if args.plot:
-        plot(rows, args.plot, batches, predicted, f"{args.preset} ({format_count(target.cfg.num_params())}), replay alpha {args.alpha}, "
-                              f"median of {args.repeats} interleaved; {cost.source}")
+        plot(rows, args.plot, batches, predicted, f"{args.preset} ({format_count(target.cfg.num_params())}), replay "
+                                                  f"alpha {args.alpha}, median of {args.repeats} interleaved; {cost.source}")
         log(f"wrote {args.plot}")
     return 0
 

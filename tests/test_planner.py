@@ -345,6 +345,13 @@ def test_load_curve_script_tiny(tmp_path):
         assert "speedup_predicted" in r
     assert set(result["picks"]) == {"1", "2"} and result["profile"]["verify"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # --rows-from: the same measured rows, a new profile and new predictions
+    again = tmp_path / "again.json"
+    assert lc.main(["--preset", "micro", "--batches", "1,2", "--chains", "1,2", "--trees", "6", "--max-depth", "2",
+                    "--profile-repeats", "1", "--rows-from", str(out), "--out", str(again), "--plot", ""]) == 0
+    redone = json.loads(again.read_text())
+    assert [r["tokens_per_s_all"] for r in redone["rows"]] == [r["tokens_per_s_all"] for r in result["rows"]]
+    assert all("speedup_predicted" in r for r in redone["rows"])
 
 
 def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):
