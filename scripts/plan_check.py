@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+
 from specjax import generate, load, load_drafter
 from specjax.bench_ar import machine_info
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
@@ -85,6 +87,10 @@ def main(argv=None) -> int:
                                         repeats=args.repeats, batch=b, auto="tree", log=log)
             add_predictions(batch_rows, shapes, auto_cost(target, drafter, b))
             rows += batch_rows
+            # Free this batch's executables: one process holding hundreds of them exhausts the kernel's memory
+            # mappings (vm.max_map_count) and XLA's next compile fails.
+            target.compiled.clear()
+            jax.clear_caches()
             picks |= pick_summary(batch_rows, {b: "auto"})
         for b, k in picks.items():
             auto = next(r for r in rows if r["batch"] == b and r["shape"] == "auto")
