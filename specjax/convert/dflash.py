@@ -66,6 +66,31 @@ def _need(hf: dict[str, Any], key: str):
     return hf[key]
 
 
+def check_layer_fields(family: str, hf: dict[str, Any], target: ModelConfig, need) -> tuple[int, int, int]:
+    """(layers, heads, kv heads) of a block drafter's config.json, refusing a hidden size or vocabulary that is
+    not the target's, heads that do not group, and sliding-window layers (ValueError naming both sides).
+
+    Shared by the DFlash and DSpark readers; `need` reads a required field with the family's own message.
+    """
+    hidden = need(hf, "hidden_size")
+    if hidden != target.hidden_size:
+        raise ValueError(f"the {family} drafter's hidden_size is {hidden} but the target's is {target.hidden_size}: "
+                         f"{family} reads the target's hidden states, so they must be equal (use the drafter trained "
+                         "for this target)")
+    vocab = hf.get("vocab_size")
+    if vocab is not None and vocab != target.vocab_size:
+        raise ValueError(f"the {family} drafter's config.json vocab_size is {vocab} but the target's vocabulary has "
+                         f"{target.vocab_size} tokens; the drafter must be trained for this target's tokenizer")
+    layers = need(hf, "num_hidden_layers")
+    heads = need(hf, "num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"the {family} drafter's num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}")
+    refuse_sliding(hf, layers)
+    return layers, heads, kv_heads
+
+
 def _block_size(hf: dict[str, Any], dflash: dict[str, Any]) -> int:
     """Top-level `block_size` (older configs, what the original reads) or dflash_config.block_size (newer)."""
     top, inner = hf.get("block_size"), dflash.get("block_size")
@@ -128,22 +153,8 @@ def dflash_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
     if hf.get("mlp_bias"):
         raise ValueError("the DFlash drafter's config.json has mlp_bias true; the Qwen3 MLP it uses has no bias")
     dflash = hf.get("dflash_config") or {}
-    hidden = _need(hf, "hidden_size")
-    if hidden != target.hidden_size:
-        raise ValueError(f"the DFlash drafter's hidden_size is {hidden} but the target's is {target.hidden_size}: "
-                         "DFlash reads the target's hidden states and uses its embedding and lm_head, so they must "
-                         "be equal (use the drafter trained for this target)")
-    vocab = hf.get("vocab_size")
-    if vocab is not None and vocab != target.vocab_size:
-        raise ValueError(f"the DFlash drafter's config.json vocab_size is {vocab} but the target's vocabulary has "
-                         f"{target.vocab_size} tokens; the drafter must be trained for this target's tokenizer")
-    layers = _need(hf, "num_hidden_layers")
-    heads = _need(hf, "num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(f"the DFlash drafter's num_attention_heads={heads} is not a multiple of "
-                         f"num_key_value_heads={kv_heads}")
-    refuse_sliding(hf, layers)
+    layers, heads, kv_heads = check_layer_fields("DFlash", hf, target, _need)
+    hidden = target.hidden_size
     if hf.get("attention_bias"):
         raise ValueError("the DFlash drafter's config.json has attention_bias true (Qwen3 then biases q/k/v and "
                          "o_proj); specjax implements the released DFlash layers, which have no attention biases")

@@ -33,7 +33,7 @@ import numpy as np
 from ..config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
 from ..drafters.dflash import BlockConfig
 from ..drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig
-from .dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, refuse_sliding, block_params
+from .dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, block_params, check_layer_fields
 from .hf import _NP_DTYPES, read_hf_config, read_tensors, safetensors_files
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -90,22 +90,9 @@ def dspark_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("the DSpark drafter's config.json has attention_bias or mlp_bias true; specjax implements "
                          "the released Qwen3 DSpark layers, which have no biases")
-    hidden = _need(hf, "hidden_size")
-    if hidden != target.hidden_size:
-        raise ValueError(f"the DSpark drafter's hidden_size is {hidden} but the target's is {target.hidden_size}: "
-                         "DSpark reads the target's hidden states, so they must be equal (use the drafter trained "
-                         "for this target)")
-    vocab = _need(hf, "vocab_size")
-    if vocab != target.vocab_size:
-        raise ValueError(f"the DSpark drafter's config.json vocab_size is {vocab} but the target's vocabulary has "
-                         f"{target.vocab_size} tokens; the drafter must be trained for this target's tokenizer")
-    layers = _need(hf, "num_hidden_layers")
-    heads = _need(hf, "num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(f"the DSpark drafter's num_attention_heads={heads} is not a multiple of "
-                         f"num_key_value_heads={kv_heads}")
-    refuse_sliding(hf, layers)
+    _need(hf, "vocab_size")  # DeepSpec always writes it
+    layers, heads, kv_heads = check_layer_fields("DSpark", hf, target, _need)
+    hidden = target.hidden_size
     block_size = _need(hf, "block_size")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"the DSpark drafter's block_size is {block_size!r}; it must be an integer >= 1 (the anchor "
