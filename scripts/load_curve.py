@@ -14,7 +14,8 @@ model. Drafting is free here.
 
 Per batch: plain decoding, chains of --chains, the planner's DP trees of --trees nodes, and the
 planner's own pick, each measured when its verify pass holds at most --max-pass-tokens tokens (larger
-passes take minutes on a CPU and are predicted only; the plot's dashed lines show them); every configuration is compiled and checked equal to plain decoding first,
+passes take minutes on a CPU and are predicted only; the plot's dashed lines show them); every
+configuration is compiled and checked equal to plain decoding first,
 then --repeats rounds run every configuration once each, in an order rotated every round
 (interleaved, so drift on a shared machine hits all alike). Speedup = tokens/s over the same
 round's plain decoding; the median and the min..max spread are reported. Predictions come
@@ -33,9 +34,10 @@ from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for
 from specjax.drafters.replay import tree_replay
 from specjax.bench_spec import random_model
-from specjax.planner import geometric_acceptance, plan, shape_curve
+from specjax.planner import geometric_acceptance, plan, shape_curve, shape_of
 from specjax.profile import cost_model, profile
 from specjax.target import format_count
+from specjax.tree import TreeSpec
 
 MODELS = {**PRESETS, "micro": MICRO_PRESET}
 
@@ -95,11 +97,14 @@ def main(argv=None) -> int:
               "alpha": args.alpha, "cost": cost.source, "profile": profile_dict,
               "plans": {c.batch: c.as_dict() for c in choices}, "predicted_speedup": predicted}
     rows = []
-    earlier = json.loads(args.rows_from.read_text())["rows"] if args.rows_from else None
+    earlier = json.loads(args.rows_from.read_text()) if args.rows_from else None
+    # The earlier run measured its own picks too: predict those rows as well.
+    plans_before = (earlier or {}).get("plans", {}).values()
+    earlier_picks = [shape_of(TreeSpec(tuple(c["best"]["parents"])), p) for c in plans_before if c["best"]["parents"]]
     for b in batches:  # the planner's pick is measured too, when it is not one of the fixed shapes
         if earlier is not None:
             keep = ("speedup_predicted", "error")
-            rows += [{k: v for k, v in r.items() if k not in keep} for r in earlier if r["batch"] == b]
+            rows += [{k: v for k, v in r.items() if k not in keep} for r in earlier["rows"] if r["batch"] == b]
         else:
             extra = [chosen[b]] if all(s.spec != chosen[b].spec for s in shapes) else []
             here = [s for s in shapes + extra if s.kind == "off" or b * s.nodes <= args.max_pass_tokens]
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
             drafter = tree_replay(base.tokens, target.cfg.vocab_size, args.alpha)
             rows += measure_shapes(target, prompts, drafter, here, max_new_tokens=args.max_new_tokens,
                                    repeats=args.repeats, batch=b, log=log)
-        add_predictions(rows, shapes + list(chosen.values()), cost)
+        add_predictions(rows, shapes + list(chosen.values()) + earlier_picks, cost)
         picks = pick_summary(rows, {bb: s.label for bb, s in chosen.items() if bb <= b})
         result |= {"rows": rows, "picks": picks, "table": format_table(rows, picks)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -116,8 +121,9 @@ def main(argv=None) -> int:
     print(result["table"])
     log(f"wrote {args.out}")
     if args.plot:
-        plot(rows, args.plot, batches, predicted, f"{args.preset} ({format_count(target.cfg.num_params())}), replay "
-                                                  f"alpha {args.alpha}, median of {args.repeats} interleaved; {cost.source}")
+        title = (f"{args.preset} ({format_count(target.cfg.num_params())}), replay alpha {args.alpha}, median of "
+                 f"{args.repeats} interleaved; {cost.source}")
+        plot(rows, args.plot, batches, predicted, title)
         log(f"wrote {args.plot}")
     return 0
 
