@@ -155,7 +155,7 @@ def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len:
     None: the profile in $SPECJAX_PROFILE when it holds this device and model, else the roofline.
     """
     from .profile import (CostModel, Profile, cost_model, device_kind, load_profile, local_device, model_name,
-                          profile_key, profile_key_for, time_verify_round)
+                          profile, profile_key, profile_key_for)
 
     if isinstance(source, CostModel):
         return source
@@ -168,11 +168,7 @@ def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len:
         cached = _MEASURED.setdefault(target, {})
         k = (batch, tuple(widths), cache_len)
         if k not in cached:
-            rows = []
-            for w in widths:
-                med, all_s = time_verify_round(target, batch, w, cache_len, repeats=3)
-                rows.append({"batch": batch, "nodes": w, "cache_len": cache_len, "seconds": med, "all_seconds": all_s})
-            cached[k] = Profile(device_kind(), model_name(target.cfg), str(target.cfg.dtype), rows)
+            cached[k] = profile(target, None, (batch,), tuple(widths), (cache_len,), repeats=3)
         cost = cached[k].cost(cache_len)
         return dataclasses.replace(cost, source=f"measured now at batch {batch}, widths {list(widths)}: {cost.source}")
     if source == "roofline" or source is None:

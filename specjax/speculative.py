@@ -52,22 +52,24 @@ class Scheduler:
     widths: tuple[int, ...]
 
 
-def verify_pass(params: dict, lc: LoopConfig, draft: Draft, cache, features: tuple[int, ...], keys_B: jax.Array):
-    """The target's forward over every node of `draft` and the verdict: (Verdict, node features, cache)."""
-    mask_BNN = ancestor_mask(draft.parents)
-    positions_BN = cache.lengths[:, None] + depths(mask_BNN)
+def verify_pass(params: dict, lc: LoopConfig, draft: Draft, mask_BNN: jax.Array, depth_BN: jax.Array, cache,
+                features: tuple[int, ...], keys_B: jax.Array):
+    """The target's forward over every node of `draft` (its ancestor mask and depths given) and the verdict:
+    (Verdict, node features, cache)."""
+    positions_BN = cache.lengths[:, None] + depth_BN
     h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
                                           mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
     verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, keys_B)
     return verdict, node_features, cache
 
 
-def narrow_pass(width: int, params: dict, lc: LoopConfig, features: tuple[int, ...], draft: Draft, cache,
-                keys_B: jax.Array):
+def narrow_pass(width: int, params: dict, lc: LoopConfig, features: tuple[int, ...], draft: Draft,
+                mask_BNN: jax.Array, depth_BN: jax.Array, cache, keys_B: jax.Array):
     """`verify_pass` over the first `width` nodes of a chain (one lax.switch branch), padded back to N nodes."""
     n = draft.tokens.shape[1]
     narrow = jax.tree.map(lambda x: x[:, :width], draft)
-    verdict, node_features, cache = verify_pass(params, lc, narrow, cache, features, keys_B)
+    verdict, node_features, cache = verify_pass(params, lc, narrow, mask_BNN[:, :width, :width],
+                                                depth_BN[:, :width], cache, features, keys_B)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     return Verdict(pad(verdict.path), verdict.num_accepted, verdict.bonus), tuple(map(pad, node_features)), cache
 
@@ -132,14 +134,16 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         keys_B, k_draft_B, k_verify_B = split_rows(keys_B, 3)
         draft, dstate = drafter.propose(draft_params, dstate, root_B, k_draft_B)
         active_B = ~done_B
+        mask_BNN = ancestor_mask(draft.parents)
+        depth_BN = depths(mask_BNN)
         if sched is None:
-            verdict, node_features, cache = verify_pass(params, lc, draft, cache, features, k_verify_B)
+            verdict, node_features, cache = verify_pass(params, lc, draft, mask_BNN, depth_BN, cache, features,
+                                                        k_verify_B)
         else:
             draft, choice = admit(draft, active_B, max_new_B - count_B, seconds_T, sched)
             branches = [partial(narrow_pass, w, params, lc, features) for w in sched.widths]
-            verdict, node_features, cache = lax.switch(choice, branches, draft, cache, k_verify_B)
+            verdict, node_features, cache = lax.switch(choice, branches, draft, mask_BNN, depth_BN, cache, k_verify_B)
             stats = record_width(stats, jnp.asarray(sched.widths, jnp.int32)[choice])
-        depth_BN = depths(ancestor_mask(draft.parents))
         verdict = Verdict(verdict.path, jnp.where(active_B, verdict.num_accepted, 0), verdict.bonus)
 
         # Emit accepted drafts + bonus, cut after the first EOS and at the row's budget.

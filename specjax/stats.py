@@ -33,7 +33,7 @@ class SpecStats:
     loop_rounds: jax.Array  # int32 []: iterations of the round loop (padded tokens and drafter passes follow)
     # int32 [N + 1]: with the prefix scheduler, iterations whose verify pass ran w nodes per row (index w);
     # all zero without it (every iteration then runs N).
-    width_rounds_W: jax.Array | None = None
+    width_rounds_W: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, num_nodes: int) -> "SpecStats":
@@ -100,7 +100,7 @@ def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, 
     loops = max(int(s.loop_rounds), 1)
     batch, num_nodes = s.rounds_B.shape[0], s.accepted_rank_DR.shape[1]
     drafter_calls = int(s.loop_rounds) * calls_per_round
-    widths = {} if s.width_rounds_W is None else {w: int(c) for w, c in enumerate(s.width_rounds_W) if c}
+    widths = {w: int(c) for w, c in enumerate(s.width_rounds_W) if c}
     padded = batch * num_nodes if s.loop_rounds else 0
     if widths:
         padded = batch * sum(w * c for w, c in widths.items()) / loops
