@@ -174,6 +174,16 @@ def test_default_cost_says_where_it_came_from(target, prompts, plain, monkeypatc
     assert out.stats["scheduler"]["cost"].startswith("estimate: roofline") and "unset" in out.stats["scheduler"]["cost"]
 
 
+def test_measured_cost_times_each_width_once(target):
+    """scheduler_profile="measure": verify rounds of this target timed at this batch and every width, cached."""
+    from specjax.scheduler import scheduler_cost
+
+    cost = scheduler_cost(target, "measure", 2, (1, 2, 4), 64)
+    assert cost.source.startswith("measured now at batch 2, widths [1, 2, 4]")
+    assert all(cost.verify_s(2, w) > 0 for w in (1, 2, 4))
+    assert scheduler_cost(target, "measure", 2, (1, 2, 4), 64).verify_s(2, 4) == cost.verify_s(2, 4)  # cached
+
+
 def test_scheduler_errors(target, prompts, plain):
     replay = specjax.replay_drafter(plain.tokens, target.cfg.vocab_size, 0.3)
     with pytest.raises(ValueError, match="confidences"):
