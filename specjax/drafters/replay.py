@@ -33,6 +33,22 @@ from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings, require_chain
 
 
+def reference_table(continuations: Sequence[Sequence[int]]) -> np.ndarray:
+    """int32 [batch bucket, longest]: each continuation in its row (generate() pads the batch to the bucket)."""
+    ref = np.zeros((bucket(len(continuations), minimum=1), max(1, max(len(c) for c in continuations))), np.int32)
+    for i, c in enumerate(continuations):
+        ref[i, : len(c)] = c
+    return ref
+
+
+def reference_start(params, ctx: PrefillContext) -> jax.Array:
+    """A replay drafter's state after prefill: the reference index of the token after the root, per row."""
+    if params["reference"].shape[0] != ctx.prompt.shape[0]:
+        raise ValueError(f"replay reference has {params['reference'].shape[0]} rows; the padded batch has "
+                         f"{ctx.prompt.shape[0]}: build it from plain decoding of these prompts")
+    return jnp.ones((ctx.prompt.shape[0],), jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayDrafter:
     vocab_size: int
@@ -65,10 +81,7 @@ class ReplayDrafter:
         return 0
 
     def init(self, params, ctx: PrefillContext):
-        if params["reference"].shape[0] != ctx.prompt.shape[0]:
-            raise ValueError(f"replay reference has {params['reference'].shape[0]} rows; the padded batch has "
-                             f"{ctx.prompt.shape[0]}: build it with replay_drafter(continuations) for these prompts")
-        return jnp.ones((ctx.prompt.shape[0],), jnp.int32)  # index of the next reference token to draft
+        return reference_start(params, ctx)
 
     def propose(self, params, state, root_B, keys_B):
         ref_BM = params["reference"]
@@ -108,7 +121,6 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
     corrupt_prob: one rate, or one per continuation. confidence: attach the synthetic confidences
     (1 - the row's rate, with `confidence_noise` standard deviation of Gaussian noise) for the scheduler.
     """
-    rows = bucket(len(continuations), minimum=1)  # the batch bucket generate() pads to
     per_row = isinstance(corrupt_prob, Sequence) or np.ndim(corrupt_prob) > 0
     probs = np.asarray(corrupt_prob, np.float64).reshape(-1)
     if per_row and probs.size != len(continuations):
@@ -118,10 +130,8 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
         raise ValueError(f"corrupt_prob must be in [0, 1], got {corrupt_prob}")
     if not confidence_noise >= 0.0:
         raise ValueError(f"confidence_noise is a standard deviation, must be >= 0, got {confidence_noise}")
-    width = max(1, max(len(c) for c in continuations))
-    ref = np.zeros((rows, width), np.int32)
-    for i, c in enumerate(continuations):
-        ref[i, : len(c)] = c
+    ref = reference_table(continuations)
+    rows = ref.shape[0]
     if per_row:  # padding rows never emit; give them rate 1 (their drafts are never checked)
         prob = jnp.asarray(np.concatenate([probs, np.ones(rows - probs.size)])[:, None], jnp.float32)
     else:
@@ -150,10 +160,7 @@ class TreeReplayDrafter:
         return 0
 
     def init(self, params, ctx: PrefillContext):
-        if params["reference"].shape[0] != ctx.prompt.shape[0]:
-            raise ValueError(f"reference has {params['reference'].shape[0]} rows, the padded batch "
-                             f"{ctx.prompt.shape[0]}: build it from plain decoding of these prompts")
-        return jnp.ones((ctx.prompt.shape[0],), jnp.int32)  # reference index of the token after the root
+        return reference_start(params, ctx)
 
     def propose(self, params, state, root_B, keys_B):
         spec = self.settings.tree
@@ -182,9 +189,7 @@ class TreeReplayDrafter:
 
 
 def tree_replay(continuations: list[list[int]], vocab: int, alpha: float) -> TreeReplayDrafter:
-    """Build from the target's continuation of each prompt: drafts under every node hit at rank r w.p. alpha (1-alpha)^r."""
-    rows, width = bucket(len(continuations), minimum=1), max(1, max(len(c) for c in continuations))
-    ref = np.zeros((rows, width), np.int32)
-    for i, c in enumerate(continuations):
-        ref[i, : len(c)] = c
-    return TreeReplayDrafter(vocab, params={"reference": jnp.asarray(ref), "alpha": jnp.float32(alpha)})
+    """Build from the target's continuation of each prompt: under every node, the true token at rank r w.p.
+    alpha (1 - alpha)^r."""
+    return TreeReplayDrafter(vocab, params={"reference": jnp.asarray(reference_table(continuations)),
+                                            "alpha": jnp.float32(alpha)})
