@@ -102,19 +102,8 @@ def stage_data(args, target, log) -> dict[str, np.ndarray]:
     if not path.is_file() and args.pool is not None:
         shutil.copyfile(args.pool, path)
         log(f"data: reused {args.pool}")
-    if path.is_file():
-        pool = dict(np.load(path))
-        if pool["tokens"].shape != (args.rows, args.prompt_len + args.new_tokens):
-            raise ValueError(f"{path} holds {pool['tokens'].shape} tokens; this run wants "
-                             f"{(args.rows, args.prompt_len + args.new_tokens)}")
-        return pool
-    start = time.perf_counter()
-    stream = data.token_stream(target.tokenizer, list(corpus.load_split("train").values()))
-    pool = data.continuation_pool(target, stream, args.seed + 6, args.rows, args.prompt_len, args.new_tokens)
-    np.savez(path, **pool)
-    log(f"data: {args.rows} target continuations ({args.prompt_len} + {args.new_tokens} tokens) in "
-        f"{time.perf_counter() - start:.0f} s")
-    return pool
+    return data.cached_pool(path, target, lambda: data.token_stream(target.tokenizer, list(
+        corpus.load_split("train").values())), args.seed + 6, args.rows, args.prompt_len, args.new_tokens, log)
 
 
 def mask_token(pool: dict[str, np.ndarray], vocab_size: int) -> int:

@@ -72,15 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def stage_data(args, target, stream, log) -> dict[str, np.ndarray]:
-    path = args.run_dir / "pool.npz"
-    if path.is_file():
-        return dict(np.load(path))
-    start = time.perf_counter()
-    pool = data.continuation_pool(target, stream, args.seed + 3, args.rows, args.prompt_len, args.new_tokens)
-    np.savez(path, **pool)
-    log(f"data: {args.rows} target continuations ({args.prompt_len} + {args.new_tokens} tokens) in "
-        f"{time.perf_counter() - start:.0f} s")
-    return pool
+    return data.cached_pool(args.run_dir / "pool.npz", target, lambda: stream, args.seed + 3, args.rows, args.prompt_len,
+                            args.new_tokens, log)
 
 
 def stage_vocab(args, pool, stream_N, vocab_size: int, log) -> tuple[np.ndarray, float]:

@@ -71,17 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def train_stream(target) -> np.ndarray:
+    """The train split's token stream (the pool's prompts are drawn from it)."""
+    return data.token_stream(target.tokenizer, list(corpus.load_split("train").values()))
+
+
 def stage_data(args, target, log) -> dict[str, np.ndarray]:
-    path = args.run_dir / "pool.npz"
-    if path.is_file():
-        return dict(np.load(path))
-    start = time.perf_counter()
-    stream = data.token_stream(target.tokenizer, list(corpus.load_split("train").values()))
-    pool = data.continuation_pool(target, stream, args.seed + 6, args.rows, args.prompt_len, args.new_tokens)
-    np.savez(path, **pool)
-    log(f"data: {args.rows} target continuations ({args.prompt_len} + {args.new_tokens} tokens) in "
-        f"{time.perf_counter() - start:.0f} s")
-    return pool
+    return data.cached_pool(args.run_dir / "pool.npz", target, lambda: train_stream(target), args.seed + 6, args.rows, args.prompt_len,
+                            args.new_tokens, log)
 
 
 def train_config(args) -> trainer.TrainConfig:

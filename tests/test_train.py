@@ -121,3 +121,22 @@ def test_greedy_tau_replay():
     assert tiny.greedy_tau(np.asarray([1, 0, 0, 0, 0], bool), 4) == (1.0, 4)
     # rounds: t=1 keeps 1,2 (+bonus 3); t=4 keeps 4 (+bonus 5); t=6 bonus only
     assert tiny.greedy_tau(np.asarray([1, 1, 1, 0, 1, 0, 0], bool), 4) == (2.0, 3)
+
+
+def test_cached_pool_generates_once_then_reads_and_refuses_another_shape(tmp_path, monkeypatch):
+    from specjax.train import data
+
+    calls = []
+
+    def fake_pool(target, stream_N, seed, rows, prompt_len, new_tokens):
+        calls.append(seed)
+        return {"tokens": np.full((rows, prompt_len + new_tokens), seed, np.int32),
+                "mask": np.ones((rows, prompt_len + new_tokens), bool)}
+
+    monkeypatch.setattr(data, "continuation_pool", fake_pool)
+    path = tmp_path / "pool.npz"
+    first = data.cached_pool(path, None, lambda: np.zeros(4), 6, 3, 2, 2, log=lambda m: None)
+    again = data.cached_pool(path, None, lambda: pytest.fail("the stream is only built to generate"), 6, 3, 2, 2)
+    assert calls == [6] and np.array_equal(first["tokens"], again["tokens"])
+    with pytest.raises(ValueError, match=r"holds \(3, 4\) tokens; this run wants \(5, 4\)"):
+        data.cached_pool(path, None, lambda: np.zeros(4), 6, 5, 2, 2)

@@ -7,6 +7,8 @@ functions of (seed, step), so a resumed run sees exactly the batches it would ha
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -83,6 +85,27 @@ def continuation_pool(target, stream_N: np.ndarray, seed: int, rows: int, prompt
     parts = [continuations(target, prompt_windows(stream_N, seed, i, gen_batch, prompt_len), new_tokens)
              for i in range(-(-rows // gen_batch))]
     return {k: np.concatenate([p[k] for p in parts])[:rows] for k in parts[0]}
+
+
+def cached_pool(path, target, make_stream, seed: int, rows: int, prompt_len: int, new_tokens: int,
+                log=print) -> dict[str, np.ndarray]:
+    """The continuation pool saved at `path` (npz); absent, `continuation_pool` over make_stream()'s tokens, saved.
+
+    A saved pool of another shape is refused: training would silently use other data than asked.
+    """
+    path = Path(path)
+    want = (rows, prompt_len + new_tokens)
+    if path.is_file():
+        pool = dict(np.load(path))
+        if pool["tokens"].shape != want:
+            raise ValueError(f"{path} holds {pool['tokens'].shape} tokens; this run wants {want}")
+        return pool
+    start = time.perf_counter()
+    pool = continuation_pool(target, make_stream(), seed, rows, prompt_len, new_tokens)
+    np.savez(path, **pool)
+    log(f"data: {rows} target continuations ({prompt_len} + {new_tokens} tokens) in "
+        f"{time.perf_counter() - start:.0f} s")
+    return pool
 
 
 def pool_batch(pool: dict[str, np.ndarray], seed: int, step: int, batch: int) -> dict[str, np.ndarray]:
