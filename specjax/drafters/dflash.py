@@ -195,6 +195,23 @@ def block_hidden(cfg: BlockConfig, params: dict, block_emb_BKH: jax.Array, cache
     return rms_norm(h_BKH, params["final_norm"], cfg.layers.rms_norm_eps), KVCache(k, v, cache.lengths)
 
 
+def context_after_prefill(cfg: BlockConfig, params: dict, ctx: PrefillContext, target_cache_len: int) -> KVCache:
+    """A block drafter's state after the target's prefill: its cache with every prompt position's context K/V,
+    `lengths` = the prompt lengths (the root is not context yet: the target has not seen it)."""
+    b = ctx.prompt.shape[0]
+    cache = init_block_cache(cfg, b, block_cache_len(cfg, target_cache_len), per_layer=has_layer_list(params))
+    cache = write_context(cfg, params, context_features(cfg, params, ctx.features), cache, jnp.zeros((b,), jnp.int32))
+    return KVCache(cache.k, cache.v, ctx.prompt_len)
+
+
+def context_after_round(cfg: BlockConfig, params: dict, state: KVCache, verdict: Verdict, features) -> KVCache:
+    """The state after a round: context K/V of only the newly accepted tokens (root and accepted drafts, their
+    features from the verify pass at the accepted path), written after the committed rows."""
+    feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
+    cache = write_context(cfg, params, context_features(cfg, params, feats), state)
+    return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+
+
 def block_embeddings(cfg: BlockConfig, embed_VH: jax.Array, anchor_B: jax.Array) -> jax.Array:
     """[B, block_size, H]: the anchor's embedding, then MASK's (embed[mask_token_id]) for the other rows."""
     ids_BK = jnp.full((anchor_B.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor_B)
@@ -279,16 +296,8 @@ class DFlashDrafter:
     def calls_per_round(self) -> int:
         return 1  # one block pass (update only projects the accepted rows' K/V)
 
-    def _cache(self, params, batch: int) -> KVCache:
-        return init_block_cache(self.cfg, batch, block_cache_len(self.cfg, self.settings.cache_len),
-                                per_layer=has_layer_list(params))
-
     def init(self, params, ctx: PrefillContext) -> KVCache:
-        b = ctx.prompt.shape[0]
-        cache = self._cache(params, b)
-        cache = write_context(self.cfg, params, context_features(self.cfg, params, ctx.features), cache,
-                              jnp.zeros((b,), jnp.int32))
-        return KVCache(cache.k, cache.v, ctx.prompt_len)
+        return context_after_prefill(self.cfg, params, ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B):
         del keys_B  # argmax drafts under any sampling
@@ -309,10 +318,7 @@ class DFlashDrafter:
         return draft, cache
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
-        del draft
-        feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
-        cache = write_context(self.cfg, params, context_features(self.cfg, params, feats), state)
-        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+        return context_after_round(self.cfg, params, state, verdict, features)
 
 
 def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DFlashDrafter:

@@ -64,8 +64,8 @@ from ..sampling import sample_rows, sampling_logprobs, split_rows
 from ..tree import spec_arrays
 from ..verify import Draft, Verdict
 from .base import PrefillContext, Settings
-from .dflash import (BlockConfig, block_cache_len, block_embeddings, block_hidden, context_features, init_block_cache,
-                     init_params as init_block_params, require_block_chain, vocab_logits, write_context)
+from .dflash import (BlockConfig, block_embeddings, block_hidden, context_after_prefill, context_after_round,
+                     init_params as init_block_params, require_block_chain, vocab_logits)
 
 MARKOV_HEAD_TYPES = ("vanilla",)
 
@@ -250,12 +250,7 @@ class DSparkDrafter:
         return dataclasses.replace(self, params={**self.params, "confidence_temperature": t})
 
     def init(self, params, ctx: PrefillContext) -> KVCache:
-        b = ctx.prompt.shape[0]
-        cache = init_block_cache(self.cfg.block, b, block_cache_len(self.cfg.block, self.settings.cache_len),
-                                 per_layer=has_layer_list(params))
-        cache = write_context(self.cfg.block, params, context_features(self.cfg.block, params, ctx.features), cache,
-                              jnp.zeros((b,), jnp.int32))
-        return KVCache(cache.k, cache.v, ctx.prompt_len)
+        return context_after_prefill(self.cfg.block, params, ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B):
         k = self.settings.tree.num_nodes - 1
@@ -281,10 +276,7 @@ class DSparkDrafter:
         return draft, cache
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
-        del draft
-        feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
-        cache = write_context(self.cfg.block, params, context_features(self.cfg.block, params, feats), state)
-        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+        return context_after_round(self.cfg.block, params, state, verdict, features)
 
 
 def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DSparkDrafter:
