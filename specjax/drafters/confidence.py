@@ -40,9 +40,8 @@ from jax import lax
 from ..cache import commit, init_cache
 from ..config import SamplingConfig
 from ..decode import LoopConfig, prefill
-from ..models.decoder import forward, has_layer_list, lm_head
+from ..models.decoder import has_layer_list
 from ..tree import ancestor_mask, chain, depths
-from ..verify import verify_greedy
 from .base import PrefillContext, Settings
 
 NUM_BINS = 20  # DeepSpec's CONFIDENCE_NUM_BINS
@@ -165,14 +164,14 @@ def _rounds(params, draft_params, prompt_BT, prompt_len_B, *, lc: LoopConfig, dr
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
     keys_B = jax.random.split(jax.random.key(0), b)
 
+    from ..speculative import verify_pass  # noqa: PLC0415 (the loop imports the drafters)
+
     def body(carry, _):
         cache, root_B, dstate = carry
         draft, dstate = drafter.propose(draft_params, dstate, root_B, keys_B)
         mask_BNN = ancestor_mask(draft.parents)
-        positions_BN = cache.lengths[:, None] + depths(mask_BNN)
-        h_BND, features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
-                                         mask_BTT=mask_BNN, capture=drafter.feature_layers, attn_impl=lc.attn_impl)
-        verdict = verify_greedy(draft, mask_BNN, lm_head(params, lc.model, h_BND))
+        verdict, features, cache = verify_pass(params, lc, draft, mask_BNN, depths(mask_BNN), cache,
+                                               drafter.feature_layers, keys_B)  # lc.sampling is greedy
         cache = commit(cache, verdict.path, verdict.num_accepted)
         dstate = drafter.update(draft_params, dstate, draft, verdict, features)
         return (cache, verdict.bonus, dstate), (draft.confidence[:, 1:], verdict.num_accepted - 1)
