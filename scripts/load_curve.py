@@ -34,8 +34,8 @@ from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for
 from specjax.drafters.replay import tree_replay
 from specjax.bench_spec import random_model
-from specjax.planner import geometric_acceptance, plan, shape_curve, shape_of
-from specjax.profile import cost_model, profile
+from specjax.planner import Call, geometric_acceptance, plan, shape_curve, shape_of
+from specjax.profile import Profile, cost_model, profile
 from specjax.target import format_count
 from specjax.tree import TreeSpec
 
@@ -62,6 +62,8 @@ def parse_args(argv):
     ap.add_argument("--rows-from", type=Path, default=None,
                     help="reuse the measured rows of an earlier run's JSON (same arguments) and redo only the profile "
                          "and the predictions, e.g. when the profile was taken on a busy machine")
+    ap.add_argument("--profile-from", type=Path, default=None,
+                    help="take the profile from an earlier run's JSON (or a profile JSON) instead of measuring it")
     ap.add_argument("--out", default="runs/load_curve.json")
     ap.add_argument("--plot", default="runs/load_curve.png")
     return ap.parse_args(argv)
@@ -80,7 +82,11 @@ def main(argv=None) -> int:
     log(f"target {args.preset}: {target.cfg.num_params() / 1e6:.1f}M params; alpha {args.alpha}; shapes "
         f"{[s.label for s in shapes]}")
     cache = args.prompt_len + args.max_new_tokens // 2
-    if args.cost == "profile":
+    if args.profile_from:
+        saved = json.loads(args.profile_from.read_text())
+        prof = Profile.from_dict(saved.get("profile", saved))
+        cost, profile_dict = prof.cost(cache), prof.to_dict()
+    elif args.cost == "profile":
         nodes = sorted({s.nodes for s in shapes})
         prof = profile(target, None, batches, nodes, (cache,), repeats=args.profile_repeats, log=log,
                        max_tokens=args.max_pass_tokens)
@@ -88,10 +94,13 @@ def main(argv=None) -> int:
         profile_dict = prof.to_dict()
     else:
         cost, profile_dict = cost_model(args.cost, target.cfg, None, cache, 0.0), None
+    # Each measurement is a whole generate call: the prefill (modelled as a pass of prompt-length rows) and the
+    # batch's slowest row count, as they do for `generate(..., "auto")`.
+    call = Call(args.max_new_tokens, lambda b: cost.verify_s(b, args.prompt_len))
     choices = plan(p, batches, cost.verify_s, cost.draft_s, max_nodes=max(s.nodes for s in shapes),
-                   max_depth=args.max_depth)
+                   max_depth=args.max_depth, call=call)
     chosen = {c.batch: c.best.shape for c in choices}
-    predicted = shape_curve(shapes, batches, cost.verify_s, cost.draft_s)
+    predicted = shape_curve(shapes, batches, cost.verify_s, cost.draft_s, call=call)
     result = {"script": "scripts/load_curve.py", "argv": sys.argv[1:] if argv is None else list(argv),
               "machine": machine_info(), "preset": args.preset, "params": target.cfg.num_params(),
               "alpha": args.alpha, "cost": cost.source, "profile": profile_dict,
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
             drafter = tree_replay(base.tokens, target.cfg.vocab_size, args.alpha)
             rows += measure_shapes(target, prompts, drafter, here, max_new_tokens=args.max_new_tokens,
                                    repeats=args.repeats, batch=b, log=log)
-        add_predictions(rows, shapes + list(chosen.values()) + earlier_picks, cost)
+        add_predictions(rows, shapes + list(chosen.values()) + earlier_picks, cost, call=call)
         picks = pick_summary(rows, {bb: s.label for bb, s in chosen.items() if bb <= b})
         result |= {"rows": rows, "picks": picks, "table": format_table(rows, picks)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

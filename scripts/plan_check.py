@@ -31,7 +31,7 @@ from specjax.bench_ar import machine_info
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
 from specjax.drafters.replay import tree_replay
 from specjax.calibration import calibrate
-from specjax.planner import CALIBRATION_TREE, auto_cost
+from specjax.planner import CALIBRATION_TREE, Call, auto_cost
 from specjax.tree import kary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,9 @@ def main(argv=None) -> int:
                 log(f"{name}: calibrated p {[round(x, 3) for x in p]}; shapes {[s.label for s in shapes]}")
             batch_rows = measure_shapes(target, prompts, drafter, shapes, max_new_tokens=args.max_new_tokens,
                                         repeats=args.repeats, batch=b, auto="tree", log=log)
-            add_predictions(batch_rows, shapes, auto_cost(target, drafter, b))
+            plan = next(r["plan"] for r in batch_rows if r["shape"] == "auto")
+            call = Call(args.max_new_tokens, lambda batch, s=plan["prefill_s"]: s)  # as "auto" planned this call
+            add_predictions(batch_rows, shapes, auto_cost(target, drafter, b), call)
             rows += batch_rows
             # Free this batch's executables: one process holding hundreds of them exhausts the kernel's memory
             # mappings (vm.max_map_count) and XLA's next compile fails.

@@ -79,13 +79,14 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
     return rows
 
 
-def add_predictions(rows: list[dict], shapes: list, cost) -> None:
-    """Each fixed shape's predicted speedup under `cost` (a profile.CostModel) and the relative error."""
+def add_predictions(rows: list[dict], shapes: list, cost, call=None) -> None:
+    """Each fixed shape's predicted speedup under `cost` (a profile.CostModel) for `call` (a planner.Call: the
+    measured runs are whole generate calls) and the relative error."""
     by_label = {s.label: s for s in shapes}
     for r in rows:
         if r["shape"] in by_label:
             r["speedup_predicted"] = score(by_label[r["shape"]], r["batch"], cost.verify_s, cost.draft_s,
-                                           cost.plain_s).speedup
+                                           cost.plain_s, call).speedup
         elif r.get("plan"):
             r["speedup_predicted"] = r["plan"]["predicted_speedup"]
         else:

@@ -107,27 +107,32 @@ def calibrate(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32
 
 def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: int = 64, sampling=None,
               seed: int = 0, eos_token_id=None, repeats: int = 3) -> RunTimes:
-    """Median seconds per plain step and per speculative round of each chain length, prefill excluded.
+    """Median seconds per plain step and per speculative round of each chain length, and the prefill.
 
     Each loop runs for max_new_tokens and for a quarter of that; the difference in time over the
     difference in loop iterations is one iteration's cost (the prefill, which on short runs with long
-    prompts is much of the time, cancels). Plain and speculative runs alternate, so drift on a shared
-    machine hits all alike; the first round of runs compiles and is not counted.
+    prompts is much of the time, cancels), and what the longer plain run took beyond its steps is the
+    prefill. Plain and speculative runs alternate, so drift on a shared machine hits all alike; the first
+    round of runs compiles and is not counted.
     """
     kw = {"sampling": sampling or SamplingConfig(), "seed": seed, "eos_token_id": eos_token_id, "max_len": None}
     lengths = (max_new_tokens, max(1, max_new_tokens // 4))
 
-    def per_iteration(run) -> float:
+    def per_iteration(run) -> tuple[float, float]:
+        """(seconds per loop iteration, seconds of the longer run beyond its iterations)."""
         long, short = (run(n) for n in lengths)
         iterations = long.stats["rounds"] - short.stats["rounds"]
         if iterations <= 0:  # every row stopped early (EOS): no difference to take
-            return long.stats["decode_s"] / max(long.stats["rounds"], 1)
-        return (long.stats["decode_s"] - short.stats["decode_s"]) / iterations
+            return long.stats["decode_s"] / max(long.stats["rounds"], 1), 0.0
+        step = (long.stats["decode_s"] - short.stats["decode_s"]) / iterations
+        return step, max(0.0, long.stats["decode_s"] - step * long.stats["rounds"])
 
     plain, rounds = [], {k: [] for k in chains}
     for _ in range(repeats + 1):
         plain.append(per_iteration(lambda n: plain_generate(target, prompts, max_new_tokens=n, **kw)))
         for k in chains:
             rounds[k].append(per_iteration(lambda n: speculative_generate(target, prompts, drafter, spec=chain(k),
-                                                                          max_new_tokens=n, **kw)))
-    return RunTimes(float(np.median(plain[1:])), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()))
+                                                                          max_new_tokens=n, **kw))[0])
+    step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
+    return RunTimes(float(step_s), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()),
+                    float(prefill_s))

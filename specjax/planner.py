@@ -21,6 +21,7 @@ independence assumption is checked rather than assumed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -48,12 +49,8 @@ def check_p(p: Sequence[float]) -> np.ndarray:
 # ---------------------------------------------------------------- expected tau of a given tree
 
 
-def expected_tau(spec: TreeSpec, p: Sequence[float] | np.ndarray) -> float:
-    """Expected tokens per round of `spec` (bonus included) under positional acceptance.
-
-    p: [R] by child rank, or [D, R] by depth (row d-1 for depth d; deeper nodes use the
-    last row). A child whose rank has no entry is never accepted.
-    """
+def _reach(spec: TreeSpec, p: Sequence[float] | np.ndarray) -> np.ndarray:
+    """[N] probability that each node of `spec` is accepted (root 1) under positional acceptance p."""
     p_arr = np.asarray(p, np.float64)
     p_DR = p_arr[None, :] if p_arr.ndim == 1 else p_arr
     if p_DR.ndim != 2 or p_DR.shape[1] == 0:
@@ -63,7 +60,26 @@ def expected_tau(spec: TreeSpec, p: Sequence[float] | np.ndarray) -> float:
     for i in range(1, spec.num_nodes):
         row = p_DR[min(depth[i], p_DR.shape[0]) - 1]
         reach[i] = reach[spec.parents[i]] * (row[ranks[i]] if ranks[i] < row.size else 0.0)
-    return float(reach.sum())
+    return reach
+
+
+def expected_tau(spec: TreeSpec, p: Sequence[float] | np.ndarray) -> float:
+    """Expected tokens per round of `spec` (bonus included) under positional acceptance.
+
+    p: [R] by child rank, or [D, R] by depth (row d-1 for depth d; deeper nodes use the
+    last row). A child whose rank has no entry is never accepted.
+    """
+    return float(_reach(spec, p).sum())
+
+
+def tokens_per_round(spec: TreeSpec, p: Sequence[float] | np.ndarray) -> np.ndarray:
+    """[depth + 1] probability that a round of `spec` emits 1, 2, ... tokens (accepted depth + 1) under positional
+    acceptance: the accepted path ends at node i with probability reach[i] minus its children's reach
+    (siblings are exclusive guesses of one token)."""
+    reach = _reach(spec, p)
+    end = reach.copy()
+    np.subtract.at(end, np.asarray(spec.parents[1:], np.int64), reach[1:])
+    return np.bincount(np.asarray(spec.depths), weights=np.maximum(end, 0.0), minlength=spec.max_depth + 1)
 
 
 def chain_tau(k: int, p0: float) -> float:
@@ -230,6 +246,7 @@ class Shape:
     kind: str  # "off" | "chain" | "tree"
     spec: TreeSpec | None
     tau: float
+    tokens_p: tuple[float, ...] = (1.0,)  # P(a round emits 1, 2, ... tokens), for a call's slowest row
 
     @property
     def nodes(self) -> int:
@@ -256,7 +273,7 @@ def shape_of(spec: TreeSpec | None, p: Sequence[float] | np.ndarray) -> Shape:
     """A Shape for a given tree (None: off), its tau from the acceptance model p."""
     if spec is None or spec.num_nodes == 1:
         return Shape("off", None, 1.0)
-    return Shape("chain" if spec.is_chain else "tree", spec, expected_tau(spec, p))
+    return Shape("chain" if spec.is_chain else "tree", spec, expected_tau(spec, p), tuple(tokens_per_round(spec, p)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,17 +301,58 @@ class Choice:
                 "runner_up": None if self.runner_up is None else self.runner_up.as_dict()}
 
 
-def score(shape: Shape, batch: int, verify_s: Callable[[int, int], float],
-          draft_s: Callable[[int, int], float], plain_s: Callable[[int], float] | None = None) -> Scored:
-    """Predicted speedup = (tau / (draft(batch, depth) + verify(batch, nodes))) / (1 / plain step).
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One generate call: a prefill of prefill_s(batch) seconds, then every row decodes `tokens` and the loop
+    runs until the batch's slowest row is done. Without a Call, rows are refilled as they finish (a server)
+    and speedup is tokens per round over round time."""
 
-    The plain step is plain_s(batch) when measured, else verify(batch, 1).
+    tokens: int
+    prefill_s: Callable[[int], float] = lambda batch: 0.0
+
+
+def rounds_for_batch(shape: Shape, tokens: int, rows: int) -> float:
+    """Expected rounds until the slowest of `rows` rows has emitted `tokens`, each round emitting x tokens with
+    probability shape.tokens_p[x - 1], independently (the positional model)."""
+    return _rounds_for_batch(shape.tokens_p, tokens, rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rounds_for_batch(tokens_p: tuple[float, ...], tokens: int, rows: int) -> float:
+    """E[max over rows of R] = sum over r >= 0 of P(some row needs more than r rounds), with each row's
+    tokens after r rounds (capped at the budget) carried as an exact distribution."""
+    step = np.concatenate([[0.0], tokens_p])  # step[x]: a round emits x tokens
+    emitted = np.zeros(tokens + 1)  # emitted[t]: P(a row has t tokens after r rounds), t = tokens meaning done
+    emitted[0] = 1.0
+    expected = 0.0
+    for _ in range(tokens):  # a round emits at least one token: every row is done after `tokens` rounds
+        unfinished = 1.0 - emitted[tokens] ** rows
+        if unfinished < 1e-12:
+            break
+        expected += unfinished
+        moved = np.convolve(emitted[:tokens], step)
+        emitted = np.concatenate([moved[:tokens], [emitted[tokens] + moved[tokens:].sum()]])
+    return expected
+
+
+def score(shape: Shape, batch: int, verify_s: Callable[[int, int], float],
+          draft_s: Callable[[int, int], float], plain_s: Callable[[int], float] | None = None,
+          call: Call | None = None) -> Scored:
+    """Predicted speedup over plain decoding at this batch.
+
+    Without a call: (tau / (draft(batch, depth) + verify(batch, nodes))) / (1 / plain step). With one:
+    (prefill + tokens x plain step) / (prefill + rounds for the slowest row x round). The plain step is
+    plain_s(batch) when measured, else verify(batch, 1).
     """
     plain = plain_step(verify_s, plain_s, batch)
     if shape.kind == "off":
         return Scored(shape, plain, 1.0)
     round_s = draft_s(batch, shape.depth) + verify_s(batch, shape.nodes)
-    return Scored(shape, round_s, shape.tau * plain / round_s)
+    if call is None:
+        return Scored(shape, round_s, shape.tau * plain / round_s)
+    prefill = call.prefill_s(batch)
+    rounds = rounds_for_batch(shape, call.tokens, batch)
+    return Scored(shape, round_s, (prefill + call.tokens * plain) / (prefill + rounds * round_s))
 
 
 def plain_step(verify_s: Callable[[int, int], float], plain_s: Callable[[int], float] | None, batch: int) -> float:
@@ -305,14 +363,15 @@ def plain_step(verify_s: Callable[[int, int], float], plain_s: Callable[[int], f
 def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, int], float],
          draft_s: Callable[[int, int], float], max_nodes: int = 128, max_depth: int = 16,
          max_chain: int = 16, tree_ok: bool = True, table: TreeTable | None = None,
-         plain_s: Callable[[int], float] | None = None) -> list[Choice]:
+         plain_s: Callable[[int], float] | None = None, call: Call | None = None) -> list[Choice]:
     """For each batch size, the shape maximising predicted tokens/s, and the runner-up of another kind.
 
     Candidates: off, chains of 1..max_chain drafts (tau from p[0] alone), and (tree_ok) the DP's
     best tree for every budget 2..max_nodes and depth 1..max_depth (only the best of these per batch
     is a candidate, so the runner-up is never the same tree one node smaller). verify_s(batch, nodes)
     and draft_s(batch, depth) are the cost model (see specjax/profile.py; draft_s holds everything a round
-    costs besides the verify pass), plain_s(batch) a measured plain step (default: verify_s(batch, 1)).
+    costs besides the verify pass), plain_s(batch) a measured plain step (default: verify_s(batch, 1)); with
+    a `call`, speedups are of that whole generate call (its prefill, and its slowest row).
     """
     p_R = check_p(p)
     if not batches or min(batches) < 1:
@@ -322,10 +381,9 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
         table = best_trees(p_R, max_nodes, max_depth)
     choices = []
     for b in batches:
-        cands = [score(Shape("off", None, 1.0), b, verify_s, draft_s, plain_s)]
-        cands += [score(s, b, verify_s, draft_s, plain_s) for s in chains]
+        cands = [score(s, b, verify_s, draft_s, plain_s, call) for s in [Shape("off", None, 1.0), *chains]]
         if tree_ok:
-            tree = _best_tree_at(table, b, verify_s, draft_s, p_R, plain_s)
+            tree = _best_tree_at(table, b, verify_s, draft_s, p_R, plain_s, call)
             if all(c.shape.spec != tree.shape.spec for c in cands):  # the DP's best may be one of the chains
                 cands.append(tree)
         cands.sort(key=lambda s: -s.speedup)
@@ -333,22 +391,25 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
     return choices
 
 
-def _best_tree_at(table: TreeTable, batch: int, verify_s, draft_s, p_R: np.ndarray, plain_s=None) -> Scored:
-    """Scan every (budget, depth) cell of the DP table, then rebuild and rescore the winner as it really is."""
+def _best_tree_at(table: TreeTable, batch: int, verify_s, draft_s, p_R: np.ndarray, plain_s=None,
+                  call: Call | None = None) -> Scored:
+    """The best tree at this batch: per node budget the DP cell (depth) with the most tau per round time, each
+    rebuilt and rescored as it really is (it may use fewer nodes or levels than its cell; with a call, its
+    slowest row depends on more than tau), and the best of those."""
     plain = plain_step(verify_s, plain_s, batch)
     verify_N = np.array([np.inf, np.inf] + [verify_s(batch, n) for n in range(2, table.max_nodes + 1)])
     draft_D = np.array([draft_s(batch, d) for d in range(table.max_depth + 1)])
     speed_ND = table.tau_ND * plain / (verify_N[:, None] + draft_D[None, :])
     speed_ND[:, 0] = -np.inf
-    n, d = np.unravel_index(np.argmax(speed_ND), speed_ND.shape)
-    spec = table.tree(int(n), int(d))  # may use fewer nodes / levels than the cell: score it as built
-    return score(shape_of(spec, p_R), batch, verify_s, draft_s, plain_s)
+    specs = dict.fromkeys(table.tree(n, int(np.argmax(speed_ND[n]))) for n in range(2, table.max_nodes + 1))
+    scored = [score(shape_of(spec, p_R), batch, verify_s, draft_s, plain_s, call) for spec in specs]
+    return max(scored, key=lambda c: (c.speedup, -c.shape.nodes))
 
 
 def shape_curve(shapes: Sequence[Shape], batches: Sequence[int], verify_s, draft_s,
-                plain_s=None) -> dict[str, list[float]]:
+                plain_s=None, call: Call | None = None) -> dict[str, list[float]]:
     """Predicted speedup of fixed shapes at each batch size (for plots and tables)."""
-    return {s.label: [score(s, b, verify_s, draft_s, plain_s).speedup for b in batches] for s in shapes}
+    return {s.label: [score(s, b, verify_s, draft_s, plain_s, call).speedup for b in batches] for s in shapes}
 
 
 def format_plan(choices: Sequence[Choice]) -> str:
@@ -410,27 +471,42 @@ def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
 CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
+TIMED_CHAINS = (1, 2, 4, 8)  # chains timed inside the loop next to plain decoding (profile.in_loop)
 # "auto" speculates only when the prediction beats plain decoding by this much: measured cost models on a
 # shared machine are off by several percent, and a near-tie is not worth the risk of running slower.
 AUTO_MIN_GAIN = 0.02
-_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: (drafter params, spec, info, cost)}
+_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: AutoMeasurements}
+
+
+@dataclasses.dataclass
+class AutoMeasurements:
+    """What "auto" measured for one (drafter, batch bucket, trees, sampling), and the plans made from it per
+    token budget (the budget changes the plan, through the prefill's share and the slowest row, but not
+    what was measured)."""
+
+    params: Any  # the drafter params measured with: other params are another drafter
+    p_rank: tuple[float, ...]
+    calibration: dict[str, Any]
+    cost: Any  # profile.CostModel
+    prefill_s: float
+    plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
 def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_token_id,
                max_new_tokens: int) -> tuple[TreeSpec | None, dict[str, Any]]:
-    """The draft shape for this call: a cached plan for (target, drafter, batch bucket), else one made now.
+    """The draft shape for this call: planned from measurements cached per (target, drafter, batch bucket),
+    made now when there are none.
 
-    Making one: a short calibration run on these prompts (a 4,2,1,1 tree, or a chain of 4 when
-    trees=False or the drafter proposes chains only), a chain of 4 timed next to plain decoding on the same prompts,
-    then `plan` at this batch bucket with the cost model of `profile.cost_for_run` (pass costs measured
-    here, or $SPECJAX_PROFILE; plain steps and per-round overheads as measured). Returns (None for
-    "off", or the TreeSpec) and the record that goes into out.stats["plan"].
+    Measuring: a short calibration run on these prompts for acceptance (a 4,2,1,1 tree, or a chain of 4
+    when trees=False or the drafter proposes chains only); chains of TIMED_CHAINS timed next to plain
+    decoding on the same prompts; pass costs from `profile.cost_for_run` (measured here, or
+    $SPECJAX_PROFILE), corrected to the rounds timed in the loop. Planning: `plan` at this batch bucket
+    for this call (its prefill, and its slowest row after max_new_tokens). Returns (None for "off", or the
+    TreeSpec) and the record that goes into out.stats["plan"].
     """
     global _AUTO_PLANS
-    from .calibration import calibrate, run_times
     from .config import SamplingConfig
     from .drafters.base import Settings
-    from .profile import cost_for_run
     from .request import bucket, prompt_ids
 
     if _AUTO_PLANS is None:
@@ -438,44 +514,59 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     ids = prompt_ids(target, prompts)
     batch = bucket(len(ids), minimum=1)
     trees = trees and drafter_takes_trees(drafter, target)
-    key = (drafter, batch, trees, sampling)
-    plans = _AUTO_PLANS.setdefault(target, {})
-    hit = plans.get(key)
-    if hit is not None and hit[0] is drafter.params:
-        return hit[1], {**hit[2], "cached": True}
     # Block drafters (DFlash, DSpark) draft at most one block per round: chains never longer than that.
     max_chain = min(16, getattr(drafter, "max_draft_tokens", 16))
-    spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
-    run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
-           "eos_token_id": eos_token_id}
-    cal = calibrate(target, drafter, prompts, spec, **run)
+    key = (drafter, batch, trees, sampling)
+    cached = _AUTO_PLANS.setdefault(target, {})
+    measured = cached.get(key)
     context = max(len(r) for r in ids) + max_new_tokens // 2
-    # Round overheads are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
-    times = run_times(target, drafter, prompts, sorted({1, min(CALIBRATION_CHAIN, max_chain)}), **run)
-    cost = cost_for_run(target, drafter, batch, context, times)
-    choice = plan(cal.p_rank, [batch], cost.verify_s, cost.draft_s, max_nodes=64, max_depth=12, tree_ok=trees,
-                  max_chain=max_chain, plain_s=cost.plain_s)[0]
+    if measured is None or measured.params is not drafter.params:
+        run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
+               "eos_token_id": eos_token_id}
+        measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run)
+    if max_new_tokens in measured.plans:
+        spec, info = measured.plans[max_new_tokens]
+        return spec, {**info, "cached": True}
+    call = Call(max_new_tokens, lambda b: measured.prefill_s)
+    choice = plan(measured.p_rank, [batch], measured.cost.verify_s, measured.cost.draft_s, max_nodes=64,
+                  max_depth=12, tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s, call=call)[0]
     best = choice.best
     if best.shape.kind == "tree" and drafter.configure(
             Settings(best.shape.spec, SamplingConfig(), 256, 16)).calls_per_round() > 0:
-        best = max([tree_with_its_drafting(best, target, drafter, batch, context, cost), choice.runner_up],
-                   key=lambda c: -1.0 if c is None else c.speedup)
+        best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
+                    choice.runner_up], key=lambda c: -1.0 if c is None else c.speedup)
     chosen = best.shape
     if best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
         chosen = Shape("off", None, 1.0)
-    info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch,
+    info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch, "tokens": max_new_tokens,
             "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
             "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
-            "p_rank": list(cal.p_rank), "calibration_shape": spec.num_nodes,
-            "calibration_tau_measured": cal.measured_tau, "calibration_tau_predicted": cal.predicted_tau,
-            "cost": cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
+            "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
+            "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
-    plans[key] = (drafter.params, chosen.spec, info, cost)
+    measured.plans[max_new_tokens] = (chosen.spec, info)
     return chosen.spec, info
 
 
-def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost) -> Scored:
+def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_chain: int, context: int,
+                      run: dict[str, Any]) -> AutoMeasurements:
+    """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop."""
+    from .calibration import calibrate, run_times
+    from .profile import cost_for_run
+
+    spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
+    cal = calibrate(target, drafter, prompts, spec, **run)
+    # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
+    times = run_times(target, drafter, prompts, sorted({min(k, max_chain) for k in TIMED_CHAINS}), **run)
+    return AutoMeasurements(drafter.params, tuple(cal.p_rank),
+                            {"calibration_shape": spec.num_nodes, "calibration_tau_measured": cal.measured_tau,
+                             "calibration_tau_predicted": cal.predicted_tau},
+                            cost_for_run(target, drafter, batch, context, times), times.prefill_s)
+
+
+def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,
+                           call: Call | None = None) -> Scored:
     """Rescore a planned tree with its own drafting time: a draft model runs every level's whole frontier, so a
     tree's propose costs more than the chain of the same depth that the cost model's draft_s measured."""
     from .profile import time_propose
@@ -483,8 +574,8 @@ def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len:
     spec = tree.shape.spec
     tree_s, _ = time_propose(target, drafter, batch, spec, cache_len, repeats=3)
     chain_s, _ = time_propose(target, drafter, batch, spec.max_depth, cache_len, repeats=3)
-    round_s = tree.round_s + max(0.0, tree_s - chain_s)
-    return Scored(tree.shape, round_s, tree.speedup * tree.round_s / round_s)
+    extra = max(0.0, tree_s - chain_s)
+    return score(tree.shape, batch, cost.verify_s, lambda b, d: cost.draft_s(b, d) + extra, cost.plain_s, call)
 
 
 def auto_cost(target, drafter, batch: int):
@@ -492,7 +583,7 @@ def auto_cost(target, drafter, batch: int):
 
     For benchmarks that put the planner's predictions for every shape next to measurements.
     """
-    for (d, b, _, _), (params, _, _, cost) in ((_AUTO_PLANS or {}).get(target) or {}).items():
-        if d == drafter and b == batch and params is drafter.params:
-            return cost
+    for (d, b, _, _), measured in ((_AUTO_PLANS or {}).get(target) or {}).items():
+        if d == drafter and b == batch and measured.params is drafter.params:
+            return measured.cost
     return None

@@ -168,11 +168,12 @@ def profile_key_for(cfg, path: str | Path) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class RunTimes:
-    """Seconds per loop iteration measured on the user's own prompts: a plain step, and speculative rounds of
-    a few chains as (nodes, depth, seconds)."""
+    """Seconds measured on the user's own prompts: per loop iteration of plain decoding and of a few chains
+    ((nodes, depth, seconds) per chain), and the prefill."""
 
     plain_step_s: float
     spec_rounds: tuple[tuple[int, int, float], ...]
+    prefill_s: float = 0.0
 
 
 AUTO_PROFILE_NODES = (1, 4, 16, 64)  # verify passes timed for "auto" (interpolated in between)
@@ -184,12 +185,8 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
 
     Pass costs: from $SPECJAX_PROFILE (a profile JSON) when set; this device's roofline when it is
     `roofline`; else measured here and now at this batch (verify passes of AUTO_PROFILE_NODES, and the
-    drafter's propose at AUTO_PROFILE_DEPTHS). With `times`, plain steps cost what they measured, pass
-    costs are scaled so that one node per row costs a plain step (a pass timed alone carries costs the
-    loop's step does not), and every round costs what the calibration shape's measured round took beyond
-    its modelled draft + verify, fitted as c0 + c1 x nodes over the timed chains (loop bookkeeping, emission, the drafter's
-    update): on a small or overhead-bound model that is much of a round, and ignoring it would over-promise
-    speculation.
+    drafter's propose at AUTO_PROFILE_DEPTHS). With `times` (rounds timed inside the loop), plain steps cost
+    what they measured and every round pays a loop correction on top of its modelled pass and drafting.
     """
     setting = os.environ.get("SPECJAX_PROFILE", "")
     if setting == "roofline":
@@ -201,22 +198,29 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
         depths = tuple(sorted({min(d, longest) for d in AUTO_PROFILE_DEPTHS}))
         prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), depths, repeats=3)
         base = prof.cost(cache_len)
-    if times is None:
-        return base
-    # A pass timed on its own is not a pass inside the loop (dispatch, the plain step's lighter sampling):
-    # scale pass costs so that one node per row costs what the loop's plain step measured.
-    scale = times.plain_step_s / base.verify_s(batch, 1)
-    # What the timed rounds took beyond their scaled pass and drafting, as a line c0 + c1 x nodes through them
-    # (bookkeeping that grows with the draft: masks, statistics, emission, the drafter's update), so the
-    # timed chains are predicted as measured; never negative.
+    return base if times is None else in_loop(base, times, batch)
+
+
+def in_loop(base: CostModel, times: RunTimes, batch: int) -> CostModel:
+    """`base` corrected to what rounds cost inside the loop at this batch.
+
+    A pass timed on its own is not a pass inside the loop: it pays its own dispatch and skips the loop's
+    bookkeeping (masks, statistics, emission, the drafter's update), a difference that is roughly a fixed
+    cost per round, not a factor (on a small model it is a third of a round, of either sign). So each timed
+    chain's round is split into its modelled pass + drafting and the rest, and every round pays the rest,
+    interpolated in nodes between the timed chains (held flat outside them): the timed chains are
+    predicted exactly as measured, and trees and longer chains add only what their passes add. A round
+    never costs less than a plain step.
+    """
+    plain = times.plain_step_s
     n_R = np.array([n for n, _, _ in times.spec_rounds], float)
-    rest_R = np.array([t - scale * base.verify_s(batch, n) - base.draft_s(batch, d) for n, d, t in times.spec_rounds])
-    c1 = float(np.polyfit(n_R, rest_R, 1)[0]) if len(n_R) > 1 and np.ptp(n_R) > 0 else 0.0
-    c0 = float(np.mean(rest_R - c1 * n_R))
-    verify_s = lambda b, n: scale * base.verify_s(b, n) + max(0.0, c0 + c1 * n)  # noqa: E731
-    return CostModel(verify_s, base.draft_s, f"{base.source}; measured here: plain step "
-                     f"{times.plain_step_s * 1e3:.2f} ms (passes scaled x{scale:.2f} to it), round overhead "
-                     f"{c0 * 1e3:.2f} ms {c1 * 1e3:+.3f} ms per node", lambda b: times.plain_step_s)
+    rest_R = np.array([t - base.verify_s(batch, n) - base.draft_s(batch, d) for n, d, t in times.spec_rounds])
+    order = np.argsort(n_R)
+    n_R, rest_R = n_R[order], rest_R[order]
+    verify_s = lambda b, n: max(plain, base.verify_s(b, n) + float(np.interp(n, n_R, rest_R)))  # noqa: E731
+    rest = ", ".join(f"{n:.0f} nodes {r * 1e3:+.2f} ms" for n, r in zip(n_R, rest_R))
+    return CostModel(verify_s, base.draft_s, f"{base.source}; measured in the loop: plain step {plain * 1e3:.2f} ms, "
+                     f"round beyond pass + drafting: {rest}", lambda b: plain)
 
 
 # ---------------------------------------------------------------- measured profile
