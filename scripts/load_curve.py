@@ -107,9 +107,10 @@ def main(argv=None) -> int:
               "plans": {c.batch: c.as_dict() for c in choices}, "predicted_speedup": predicted}
     rows = []
     earlier = json.loads(args.rows_from.read_text()) if args.rows_from else None
-    # The earlier run measured its own picks too: predict those rows as well.
-    plans_before = (earlier or {}).get("plans", {}).values()
-    earlier_picks = [shape_of(TreeSpec(tuple(c["best"]["parents"])), p) for c in plans_before if c["best"]["parents"]]
+    # The earlier run measured its own picks too: predict those rows as well (older runs' rows lack parents).
+    plans_before = [c["best"]["parents"] for c in (earlier or {}).get("plans", {}).values()]
+    parents = plans_before + [r.get("parents") for r in (earlier or {}).get("rows", [])]
+    earlier_picks = [shape_of(TreeSpec(tuple(x)), p) for x in dict.fromkeys(map(tuple, filter(None, parents)))]
     for b in batches:  # the planner's pick is measured too, when it is not one of the fixed shapes
         if earlier is not None:
             keep = ("speedup_predicted", "error")

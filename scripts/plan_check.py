@@ -6,12 +6,14 @@
 For the embedded target (checkpoints/tiny/target) with three drafters — the embedded draft model,
 and the tree replay drafter (specjax/drafters/replay.py) at acceptance 0.6 and 0.9 — and batch sizes
 1, 4, 16, 64 (the manifest's held-out prompts, repeated to fill the batch; greedy; EOS off):
-plain decoding, chains of 1..8, the DP's trees of 8, 16 and 32 nodes for the drafter's calibrated
-acceptance, and `generate(..., tree="auto")` (planned at warm-up: calibration run, timing of plain
-and speculative rounds, pass costs measured here, see specjax/planner.py auto_shape). Every
-configuration is checked equal to plain decoding, then measured interleaved over --repeats; the
-table gives each shape's measured speedup next to the planner's prediction (its own cost model),
-and per batch the pick against the best measured shape.
+`generate(..., tree="auto")` (planned first: calibration run, timing of plain and speculative rounds,
+pass costs measured here, see specjax/planner.py auto_shape), plain decoding, chains of 1..8, and
+the DP's trees of 8, 16 and 32 nodes for the first batch's calibrated acceptance. Every
+configuration is checked equal to plain decoding, then measured interleaved over --repeats rounds
+(more for small batches, until a batch's timed runs reach --min-time seconds); the table gives each
+shape's measured speedup next to the planner's own prediction for it (its acceptance and cost
+model at that batch, for this call: prefill and slowest row included), and per batch the pick
+against the best measured shape.
 
 The acceptance bar (issue 11): the pick within 5% of the best measured shape (pick / best >= 0.95)
 and "auto" never below 0.98x plain decoding. Both are printed per cell, with the spread.
@@ -30,9 +32,7 @@ from specjax import generate, load, load_drafter
 from specjax.bench_ar import machine_info
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
 from specjax.drafters.replay import tree_replay
-from specjax.calibration import calibrate
-from specjax.planner import CALIBRATION_TREE, Call, auto_cost
-from specjax.tree import kary
+from specjax.planner import Call, auto_cost, shape_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny"
@@ -62,6 +62,8 @@ def parse_args(argv):
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-time", type=float, default=10.0,
+                    help="more repeats (up to 60) until one batch's timed runs add up to this many seconds")
     ap.add_argument("--out", default="runs/plan_check.json")
     return ap.parse_args(argv)
 
@@ -79,14 +81,18 @@ def main(argv=None) -> int:
         for b in ints(args.batches):
             prompts = held_out_prompts(b)
             drafter = make_drafter(name, target, prompts, args.max_new_tokens)
-            if b == ints(args.batches)[0]:  # acceptance is the drafter's, not the batch's: one calibration
-                p = calibrate(target, drafter, prompts, kary(CALIBRATION_TREE), max_new_tokens=32).p_rank
-                shapes = shapes_for(p, ints(args.chains), ints(args.trees), args.max_depth)
-                log(f"{name}: calibrated p {[round(x, 3) for x in p]}; shapes {[s.label for s in shapes]}")
+            # "auto" plans first (calibration, loop timings, pass costs); every shape is then predicted with its
+            # acceptance and cost model, for this call, so the table's predictions are the planner's own.
+            plan = generate(target, prompts, drafter=drafter, tree="auto", max_new_tokens=args.max_new_tokens,
+                            eos_token_id=[]).stats["plan"]
+            if b == ints(args.batches)[0]:  # the trees measured at every batch: the DP's for the first calibration
+                specs = [s.spec for s in shapes_for(plan["p_rank"], ints(args.chains), ints(args.trees), args.max_depth)]
+                log(f"{name}: calibrated p {[round(x, 3) for x in plan['p_rank']]}")
+            shapes = [shape_of(spec, plan["p_rank"]) for spec in specs]
             batch_rows = measure_shapes(target, prompts, drafter, shapes, max_new_tokens=args.max_new_tokens,
-                                        repeats=args.repeats, batch=b, auto="tree", log=log)
-            plan = next(r["plan"] for r in batch_rows if r["shape"] == "auto")
-            call = Call(args.max_new_tokens, lambda batch, s=plan["prefill_s"]: s)  # as "auto" planned this call
+                                        repeats=args.repeats, batch=b, auto="tree", min_time_s=args.min_time,
+                                        log=log)
+            call = Call(args.max_new_tokens, lambda batch, s=plan["prefill_s"]: s)
             add_predictions(batch_rows, shapes, auto_cost(target, drafter, b), call)
             rows += batch_rows
             # Free this batch's executables: one process holding hundreds of them exhausts the kernel's memory

@@ -10,6 +10,7 @@ and the min..max spread are reported.
 
 from __future__ import annotations
 
+import math
 import statistics
 import textwrap
 from pathlib import Path
@@ -35,8 +36,12 @@ def shapes_for(p, chains: list[int], trees: list[int], max_depth: int) -> list:
 
 
 def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_tokens: int, repeats: int,
-                   batch: int, auto: str | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                   batch: int, auto: str | None = None, min_time_s: float = 0.0, max_repeats: int = 60,
+                   log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Measure plain decoding ("off" must be among `shapes`) and every shape on these prompts, interleaved.
+
+    At least `repeats` rounds, and more (up to max_repeats) until the rounds add up to min_time_s by the
+    warm-up's timings: a batch-1 run takes milliseconds, and a few of them are mostly timer noise.
 
     auto: "tree" or "num_draft_tokens" adds the row `generate(..., <auto>="auto")` (planned at warm-up, then
     run with its cached plan) labelled "auto", with the plan in row["plan"]. EOS is off (every row decodes
@@ -49,12 +54,14 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
                           generate(target, prompts, drafter=drafter, tree=s.spec, **kw))) for s in shapes}
     if auto:
         runs["auto"] = (None, lambda: generate(target, prompts, drafter=drafter, **{auto: "auto"}, **kw))
-    taus, plans = {}, {}
+    taus, plans, round_s = {}, {}, 0.0
     for label, (_, run) in runs.items():  # warm-up: compile (and plan), check equality with plain decoding
         out = run()
         if out.tokens != base.tokens:
             raise RuntimeError(f"{label} at batch {batch} differs from plain decoding (fp32 greedy must match)")
         taus[label], plans[label] = out.stats["acceptance_length"], out.stats.get("plan")
+        round_s += run().stats["decode_s"]  # warm now
+    repeats = max(repeats, min(max_repeats, math.ceil(min_time_s / round_s)))
     labels = list(runs)
     tps = {label: [] for label in labels}
     for r in range(repeats):
@@ -67,15 +74,17 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
         ratios = [a / b for a, b in zip(tps[label], tps["off"])]
         plan = plans[label] if label == "auto" else None
         rows.append({"batch": batch, "shape": label, "kind": "auto" if shape is None else shape.kind,
+                     "parents": list(shape.spec.parents) if shape and shape.spec else None,
                      "nodes": shape.nodes if shape else len(plan.get("parents") or [0]),
                      "depth": None if shape is None else shape.depth,
                      "tau_measured": taus[label], "tau_predicted": plan["predicted_tau"] if plan else shape.tau,
                      "tokens_per_s": statistics.median(tps[label]), "tokens_per_s_all": tps[label],
                      "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+                     "repeats": repeats,
                      "plan": plan})
         what = f"auto -> {plan['shape']}" if plan else label
         log(f"batch {batch:4d} {what:<24} tau {taus[label]:5.2f} (model {rows[-1]['tau_predicted']:5.2f})  speedup "
-            f"{rows[-1]['speedup']:5.2f}x [{min(ratios):.2f}..{max(ratios):.2f}]")
+            f"{rows[-1]['speedup']:5.2f}x [{min(ratios):.2f}..{max(ratios):.2f}] over {repeats} repeats")
     return rows
 
 

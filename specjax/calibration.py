@@ -11,6 +11,7 @@ Both models' tau for the calibration shape are reported next to the measured tau
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -106,14 +107,16 @@ def calibrate(target, drafter, prompts, spec: TreeSpec, max_new_tokens: int = 32
 
 
 def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: int = 64, sampling=None,
-              seed: int = 0, eos_token_id=None, repeats: int = 3) -> RunTimes:
+              seed: int = 0, eos_token_id=None, repeats: int = 3, min_time_s: float = 2.0,
+              max_repeats: int = 30) -> RunTimes:
     """Median seconds per plain step and per speculative round of each chain length, and the prefill.
 
     Each loop runs for max_new_tokens and for a quarter of that; the difference in time over the
     difference in loop iterations is one iteration's cost (the prefill, which on short runs with long
     prompts is much of the time, cancels), and what the longer plain run took beyond its steps is the
     prefill. Plain and speculative runs alternate, so drift on a shared machine hits all alike; the first
-    round of runs compiles and is not counted.
+    round of runs compiles and is not counted. At least `repeats` rounds, more (up to max_repeats) until
+    the timed ones add up to min_time_s: small batches run in milliseconds, where a few runs are noise.
     """
     kw = {"sampling": sampling or SamplingConfig(), "seed": seed, "eos_token_id": eos_token_id, "max_len": None}
     lengths = (max_new_tokens, max(1, max_new_tokens // 4))
@@ -128,11 +131,17 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
         return step, max(0.0, long.stats["decode_s"] - step * long.stats["rounds"])
 
     plain, rounds = [], {k: [] for k in chains}
-    for _ in range(repeats + 1):
+
+    def one_round() -> None:
         plain.append(per_iteration(lambda n: plain_generate(target, prompts, max_new_tokens=n, **kw)))
         for k in chains:
             rounds[k].append(per_iteration(lambda n: speculative_generate(target, prompts, drafter, spec=chain(k),
                                                                           max_new_tokens=n, **kw))[0])
+
+    one_round()  # compiles: dropped below
+    start = time.perf_counter()
+    while len(plain) <= repeats or (time.perf_counter() - start < min_time_s and len(plain) <= max_repeats):
+        one_round()
     step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
     return RunTimes(float(step_s), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()),
                     float(prefill_s))

@@ -352,6 +352,32 @@ def test_load_curve_script_tiny(tmp_path):
     redone = json.loads(again.read_text())
     assert [r["tokens_per_s_all"] for r in redone["rows"]] == [r["tokens_per_s_all"] for r in result["rows"]]
     assert all("speedup_predicted" in r for r in redone["rows"])
+    # --profile-from: the earlier profile, nothing measured: the same predictions as that run
+    same = tmp_path / "same.json"
+    assert lc.main(["--preset", "micro", "--batches", "1,2", "--chains", "1,2", "--trees", "6", "--max-depth", "2",
+                    "--rows-from", str(again), "--profile-from", str(again), "--out", str(same), "--plot", ""]) == 0
+    assert [r["speedup_predicted"] for r in json.loads(same.read_text())["rows"]] == pytest.approx(
+        [r["speedup_predicted"] for r in redone["rows"]])
+
+
+def test_plan_check_script_tiny(tmp_path):
+    """scripts/plan_check.py at a tiny size: "auto" and every shape measured, each predicted by the planner's own
+    model, and the bar's two figures per batch."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "plan_check.py"
+    spec = importlib.util.spec_from_file_location("plan_check", path)
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    out = tmp_path / "pc.json"
+    assert pc.main(["--drafters", "replay:0.9", "--batches", "1,2", "--chains", "1,2", "--trees", "6",
+                    "--max-depth", "2", "--repeats", "1", "--min-time", "0", "--max-new-tokens", "16",
+                    "--out", str(out)]) in (0, 1)
+    result = json.loads(out.read_text())["drafters"]["replay:0.9"]
+    assert {r["shape"] for r in result["rows"]} >= {"off", "chain:1", "chain:2", "auto"}
+    assert all("speedup_predicted" in r for r in result["rows"])
+    for k in result["picks"].values():
+        assert {"pick_vs_best", "auto_vs_plain", "pass"} <= set(k)
 
 
 def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):
