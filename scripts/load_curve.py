@@ -31,7 +31,8 @@ from pathlib import Path
 
 from specjax import generate
 from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
-from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, plot, shapes_for
+from specjax.bench_plan import (add_predictions, format_grid, format_table, measure_shapes, pick_summary, plot,
+                                shapes_for)
 from specjax.drafters.replay import tree_replay
 from specjax.bench_spec import random_model
 from specjax.planner import Call, geometric_acceptance, plan, shape_curve, shape_of
@@ -128,7 +129,10 @@ def main(argv=None) -> int:
         result |= {"rows": rows, "picks": picks, "table": format_table(rows, picks)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))  # after every batch: a cut run keeps it
-    print(result["table"])
+    result["grid"] = format_grid(rows, {k: v for k, v in predicted.items() if k != "off"}, batches,
+                                 {c.batch: (c.best.shape.label, c.best.speedup) for c in choices})
+    print(result["table"] + "\n\n" + result["grid"])
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     log(f"wrote {args.out}")
     if args.plot:
         title = (f"{args.preset} ({format_count(target.cfg.num_params())}), replay alpha {args.alpha}, median of "

@@ -139,6 +139,25 @@ def format_table(rows: list[dict], picks: dict) -> str:
     return "\n".join(lines)
 
 
+def format_grid(rows: list[dict], predicted: dict[str, list[float]], batches: list[int],
+                picks: dict[int, tuple[str, float]]) -> str:
+    """Markdown, one line per batch: each shape's measured speedup (its prediction in brackets; "-" where it was
+    not measured), the planner's pick with its prediction and measurement, and the best measured shape."""
+    measured = {(r["batch"], r["shape"]): r["speedup"] for r in rows if r["kind"] != "auto"}
+    lines = ["| batch | " + " | ".join(predicted) + " | planner's pick (predicted) | best measured |",
+             "|---" * (len(predicted) + 3) + "|"]
+    for i, b in enumerate(batches):
+        cells = [f"{measured[b, label]:.2f}x" if (b, label) in measured else "-" for label in predicted]
+        cells = [f"{c} ({predicted[label][i]:.2f})" for c, label in zip(cells, predicted)]
+        label, speedup = picks[b]
+        got = measured.get((b, label))
+        pick = f"{label} {speedup:.2f}x, " + ("not measured" if got is None else f"measured {got:.2f}x")
+        here = [(v, k) for (bb, k), v in measured.items() if bb == b]
+        best = "-" if not here else f"{max(here)[1]} {max(here)[0]:.2f}x"
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {pick} | {best} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str, batches: list[int], predicted: dict[str, list[float]], title: str) -> None:
     """Speedup vs batch size per shape: measured medians with min..max bars (solid), predictions at every batch
     (dashed, `predicted[label][i]` at batches[i]; shapes too large to measure at a batch appear only dashed)."""

@@ -2,7 +2,7 @@
 
 The planner's model (specjax/planner.py) says a rank-r child is accepted with probability
 p[r] given its parent was, whatever the depth. A calibration run with a known static shape
-gives, per depth, how often each rank was accepted (`accepted_child_rank`); dividing by how
+gives, per depth, how often each rank was accepted (`verified_child_rank`); dividing by how
 often that rank was offered under an accepted parent estimates p, pooled over depths (the
 model) and per depth (to see how far the model's independence assumption is from the data).
 Both models' tau for the calibration shape are reported next to the measured tau.
@@ -54,19 +54,20 @@ class Calibration:
 def acceptance_from_stats(stats: dict[str, Any], spec: TreeSpec) -> Calibration:
     """Estimate positional acceptance from `out.stats` of a run that used the static tree `spec`.
 
-    accepted_child_rank[d][r] counts accepted drafts at depth d+1 that were rank r among their
-    siblings. Their opportunities: rank r at depth d was offered whenever the path reached a
-    depth-(d-1) node with more than r children. The statistics give the accepted node's rank at
-    each depth, not its index, so nodes of one (depth, rank) are assumed to have equally many
-    children on average (exact for chains and k-ary trees). Drafts cut by EOS or the token budget
-    are not counted as accepted, which biases p slightly low on short runs.
+    verified_child_rank[d][r] counts drafts at depth d+1 that verification accepted and that were
+    rank r among their siblings, emitted or not: a row's last round, cut by its token budget or an
+    EOS, still says how often the target agreed (counting only emitted drafts, accepted_child_rank,
+    biases p low on short runs). Their opportunities: rank r at depth d was offered whenever the path
+    reached a depth-(d-1) node with more than r children. The statistics give the accepted node's rank
+    at each depth, not its index, so nodes of one (depth, rank) are assumed to have equally many
+    children on average (exact for chains and k-ary trees).
     """
     rows = stats.get("row_rounds")
-    if rows is None or "accepted_child_rank" not in stats:
-        raise ValueError("these statistics lack row_rounds / accepted_child_rank: pass out.stats of a speculative "
+    if rows is None or "verified_child_rank" not in stats:
+        raise ValueError("these statistics lack row_rounds / verified_child_rank: pass out.stats of a speculative "
                          "generate() call (with a drafter), not of plain decoding")
     rounds = int(sum(rows))
-    acc_DR = np.asarray(stats["accepted_child_rank"], np.float64)
+    acc_DR = np.asarray(stats["verified_child_rank"], np.float64)
     depth_n, rank_n = spec.max_depth, int(max(child_ranks(spec))) + 1
     if acc_DR.shape[0] < depth_n:
         raise ValueError(f"statistics cover depth {acc_DR.shape[0]} but the shape is {depth_n} deep: pass the "

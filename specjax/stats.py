@@ -34,12 +34,15 @@ class SpecStats:
     # int32 [N + 1]: with the prefix scheduler, iterations whose verify pass ran w nodes per row (index w);
     # all zero without it (every iteration then runs N).
     width_rounds_W: jax.Array
+    # int32 [D, R]: as accepted_rank_DR, but every draft verification accepted, emitted or not (a row's last
+    # round cut by its budget or an EOS still tells how often the target agreed): the planner's estimator.
+    verified_rank_DR: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, num_nodes: int) -> "SpecStats":
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
         return cls(z(batch), z(batch), z(batch), z(max_depth), z(max_depth), z(max_depth, num_nodes), z(), z(),
-                   z(num_nodes + 1))
+                   z(num_nodes + 1), z(max_depth, num_nodes))
 
 
 def sibling_ranks(parents_BN: jax.Array, valid_BN: jax.Array) -> jax.Array:
@@ -63,17 +66,20 @@ def record_round(stats: SpecStats, draft: Draft, depth_BN: jax.Array, verdict: V
     path_BD = verdict.path[:, 1: max_depth + 1]
     path_BD = jnp.pad(path_BD, ((0, 0), (0, max_depth - path_BD.shape[1])))
     rank_BD = jnp.take_along_axis(sibling_ranks(draft.parents, draft.valid), path_BD, axis=1)
-    rank_hits_BDR = kept_BD[:, :, None] & (rank_BD[:, :, None] == jnp.arange(ranks))
+    rank_BDR = rank_BD[:, :, None] == jnp.arange(ranks)
+    verified_BD = d_D[None, :] <= jnp.where(active_B, verdict.num_accepted - 1, 0)[:, None]
     return SpecStats(
         rounds_B=stats.rounds_B + active_B,
         emitted_B=stats.emitted_B + jnp.where(active_B, emit_B, 0),
         accepted_B=stats.accepted_B + drafts_B,
         offered_D=stats.offered_D + offered_D,
         accepted_D=stats.accepted_D + jnp.sum(kept_BD, axis=0, dtype=jnp.int32),
-        accepted_rank_DR=stats.accepted_rank_DR + jnp.sum(rank_hits_BDR, axis=0, dtype=jnp.int32),
+        accepted_rank_DR=stats.accepted_rank_DR + jnp.sum(kept_BD[:, :, None] & rank_BDR, axis=0, dtype=jnp.int32),
         verified_tokens=stats.verified_tokens + jnp.sum(offered_BN, dtype=jnp.int32),
         loop_rounds=stats.loop_rounds + 1,
         width_rounds_W=stats.width_rounds_W,
+        verified_rank_DR=stats.verified_rank_DR + jnp.sum(verified_BD[:, :, None] & rank_BDR, axis=0,
+                                                          dtype=jnp.int32),
     )
 
 
@@ -112,6 +118,7 @@ def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, 
         "offered_at_depth": s.offered_D.tolist(),
         "accepted_at_depth": s.accepted_D.tolist(),
         "accepted_child_rank": s.accepted_rank_DR.tolist(),
+        "verified_child_rank": s.verified_rank_DR.tolist(),
         "rounds": int(s.loop_rounds),
         "row_rounds": s.rounds_B[:n_rows].tolist(),
         "accepted_drafts": int(s.accepted_B[:n_rows].sum()),

@@ -219,7 +219,7 @@ def test_profile_cli_writes_json(tmp_path, capsys):
 def test_acceptance_from_stats_by_hand():
     """kary:2,1 over 100 rounds: rank 0 accepted 60 times, rank 1 20 times at depth 1; 40 depth-2 acceptances."""
     stats = {"row_rounds": [100], "acceptance_length": 2.2,
-             "accepted_child_rank": [[60, 20, 0, 0, 0], [40, 0, 0, 0, 0]]}
+             "verified_child_rank": [[60, 20, 0, 0, 0], [40, 0, 0, 0, 0]]}
     cal = calibration.acceptance_from_stats(stats, kary([2, 1]))
     assert cal.p_rank == pytest.approx((100 / 180, 0.2))  # rank 0: (60 + 40) / (100 + 80 opportunities)
     assert cal.p_depth_rank[0] == pytest.approx((0.6, 0.2))

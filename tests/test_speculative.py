@@ -108,6 +108,9 @@ def test_drafts_cut_by_the_budget_are_not_counted(target, prompts):
     assert len(out.tokens[0]) == 4 and out.stats["rounds"] == 1
     assert out.stats["acceptance_length"] == 3.0
     assert out.stats["accepted_drafts"] == 3
+    # ... while verification accepted all 6: the planner's acceptance estimator counts those.
+    assert np.asarray(out.stats["accepted_child_rank"])[:, 0].tolist() == [1, 1, 1, 0, 0, 0]
+    assert np.asarray(out.stats["verified_child_rank"])[:, 0].tolist() == [1] * 6
     assert out.stats["per_position_acceptance"] == [1, 1, 1, 0, 0, 0]
 
 
