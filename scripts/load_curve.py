@@ -16,7 +16,7 @@ Per batch: plain decoding, chains of --chains, the planner's DP trees of --trees
 planner's own pick, each measured when its verify pass holds at most --max-pass-tokens tokens (larger
 passes take minutes on a CPU and are predicted only; the plot's dashed lines show them); every
 configuration is compiled and checked equal to plain decoding first,
-then --repeats rounds run every configuration once each, in an order rotated every round
+then --repeats rounds run every configuration once each, in a fresh random order every round
 (interleaved, so drift on a shared machine hits all alike). Speedup = tokens/s over the same
 round's plain decoding; the median and the min..max spread are reported. Predictions come
 from a profile measured here first (`--cost profile`) or a roofline (`--cost cpu|h100|h200`).

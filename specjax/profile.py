@@ -9,8 +9,8 @@ Two sources, one interface (`CostModel`: verify_s(batch, nodes) and draft_s(batc
   it each token costs its FLOPs. Known devices in DEVICES; an 8B bf16 model on an H100 has
   its knee at ~295 tokens per pass.
 - `Profile`: times measured on this device by `profile()` (one verify round: forward +
-  lm_head + acceptance + commit, jitted once per shape, median of repeats; and the
-  drafter's propose), interpolated piecewise-linearly in T. Saved as JSON keyed by device
+  lm_head + acceptance + commit, several rounds per jitted call as the loop runs them,
+  median of repeats; and the drafter's propose), interpolated piecewise-linearly in T. Saved as JSON keyed by device
   kind, model and dtype, so one file can hold several machines' profiles.
 
 Draft time: `relative_draft` (a fixed fraction of one target step per drafted level, the
