@@ -204,23 +204,24 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
 def in_loop(base: CostModel, times: RunTimes, batch: int) -> CostModel:
     """`base` corrected to what rounds cost inside the loop at this batch.
 
-    A pass timed on its own is not a pass inside the loop: it pays its own dispatch and skips the loop's
-    bookkeeping (masks, statistics, emission, the drafter's update), a difference that is roughly a fixed
-    cost per round, not a factor (on a small model it is a third of a round, of either sign). So each timed
-    chain's round is split into its modelled pass + drafting and the rest, and every round pays the rest,
-    interpolated in nodes between the timed chains (held flat outside them): the timed chains are
-    predicted exactly as measured, and trees and longer chains add only what their passes add. A round
-    never costs less than a plain step.
+    A pass timed on its own is not a pass inside the loop: the loop adds its bookkeeping (masks,
+    statistics, emission, the drafter's update), a difference that is roughly a fixed cost per round plus a
+    little per node, not a factor. So each timed chain's round is split into its modelled pass + drafting
+    and the rest, and every round pays the rest as a straight line in nodes fitted through the timed chains
+    (least squares: loop timings of a few runs are noisy, and a line through four of them averages that
+    out), held flat outside the timed range; trees and longer chains add only what their passes add. A
+    round never costs less than a plain step.
     """
     plain = times.plain_step_s
     n_R = np.array([n for n, _, _ in times.spec_rounds], float)
     rest_R = np.array([t - base.verify_s(batch, n) - base.draft_s(batch, d) for n, d, t in times.spec_rounds])
-    order = np.argsort(n_R)
-    n_R, rest_R = n_R[order], rest_R[order]
-    verify_s = lambda b, n: max(plain, base.verify_s(b, n) + float(np.interp(n, n_R, rest_R)))  # noqa: E731
-    rest = ", ".join(f"{n:.0f} nodes {r * 1e3:+.2f} ms" for n, r in zip(n_R, rest_R))
+    slope, intercept = np.polyfit(n_R, rest_R, 1) if np.ptp(n_R) > 0 else (0.0, float(rest_R.mean()))
+    rest = lambda n: float(intercept + slope * np.clip(n, n_R.min(), n_R.max()))  # noqa: E731
+    verify_s = lambda b, n: max(plain, base.verify_s(b, n) + rest(n))  # noqa: E731
+    timed = ", ".join(f"{n:.0f} nodes {r * 1e3:+.2f}" for n, r in zip(n_R, rest_R))
     return CostModel(verify_s, base.draft_s, f"{base.source}; measured in the loop: plain step {plain * 1e3:.2f} ms, "
-                     f"round beyond pass + drafting: {rest}", lambda b: plain)
+                     f"round beyond pass + drafting {intercept * 1e3:+.2f} ms {slope * 1e3:+.3f} ms per node "
+                     f"(timed: {timed} ms)", lambda b: plain)
 
 
 # ---------------------------------------------------------------- measured profile
