@@ -100,7 +100,8 @@ def main(argv=None) -> int:
             plan = generate(target, prompts, drafter=drafter, tree="auto", max_new_tokens=args.max_new_tokens,
                             eos_token_id=[]).stats["plan"]
             if b == ints(args.batches)[0]:  # the trees measured at every batch: the DP's for the first calibration
-                specs = [s.spec for s in shapes_for(plan["p_rank"], ints(args.chains), ints(args.trees), args.max_depth)]
+                first = shapes_for(plan["p_rank"], ints(args.chains), ints(args.trees), args.max_depth)
+                specs = [s.spec for s in first]
                 log(f"{name}: calibrated p {[round(x, 3) for x in plan['p_rank']]}")
             shapes = [shape_of(spec, plan["p_rank"]) for spec in specs]
             batch_rows = measure_shapes(target, prompts, drafter, shapes, max_new_tokens=args.max_new_tokens,

@@ -6,8 +6,9 @@ Every configuration is compiled and checked equal to plain greedy decoding first
 repeat runs every configuration once, in a fresh random order every repeat (interleaved, so drift on a
 shared machine hits all alike, and no configuration always runs after the same one: a small model's
 weights stay in the CPU's caches between two runs of the same executable, and under a fixed rotation plain
-decoding always ran right after "auto", which measured 0.97x plain in two runs where it decoded plainly). Speedup = tokens/s over the same repeat's plain decoding; medians
-and the min..max spread are reported.
+decoding always ran right after "auto", which measured 0.97x plain in two runs where it decoded
+plainly). Speedup = tokens/s over the same repeat's plain decoding; medians and the min..max spread
+are reported.
 """
 
 from __future__ import annotations

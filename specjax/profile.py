@@ -10,8 +10,9 @@ Two sources, one interface (`CostModel`: verify_s(batch, nodes) and draft_s(batc
   its knee at ~295 tokens per pass.
 - `Profile`: times measured on this device by `profile()` (one verify round: forward +
   lm_head + acceptance + commit, several rounds per jitted call as the loop runs them,
-  median of repeats; and the drafter's propose), interpolated piecewise-linearly in T. Saved as JSON keyed by device
-  kind, model and dtype, so one file can hold several machines' profiles.
+  median of repeats; and the drafter's propose), interpolated piecewise-linearly in T.
+  Saved as JSON keyed by device kind, model and dtype, so one file can hold several
+  machines' profiles.
 
 Draft time: `relative_draft` (a fixed fraction of one target step per drafted level, the
 published model's assumption) or a profile's measured propose times (linear in depth).
