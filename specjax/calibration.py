@@ -144,5 +144,15 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
     while len(plain) <= repeats or (time.perf_counter() - start < min_time_s and len(plain) <= max_repeats):
         one_round()
     step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
+    noise = relative_error([p for p, _ in plain[1:]]) ** 2 + max(relative_error(t[1:]) for t in rounds.values()) ** 2
     return RunTimes(float(step_s), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()),
-                    float(prefill_s))
+                    float(prefill_s), float(np.sqrt(noise)))
+
+
+def relative_error(x: Sequence[float]) -> float:
+    """Relative standard error of the median of x: 1.25 x (1.4826 x MAD) / sqrt(n) / median (normal data)."""
+    x = np.asarray(x, float)
+    med = np.median(x)
+    if x.size < 2 or med <= 0:
+        return 0.0
+    return float(1.25 * 1.4826 * np.median(np.abs(x - med)) / np.sqrt(x.size) / med)

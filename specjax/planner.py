@@ -472,8 +472,9 @@ CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below
 CALIBRATION_CHAIN = 4
 CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
 TIMED_CHAINS = (1, 2, 4, 8)  # chains timed inside the loop next to plain decoding (profile.in_loop)
-# "auto" speculates only when the prediction beats plain decoding by this much: measured cost models on a
-# shared machine are off by several percent, and a near-tie is not worth the risk of running slower.
+# "auto" speculates only when the prediction beats plain decoding by this much, or by twice the measured
+# timings' relative standard error when that is larger (at batch 1 a round takes a fraction of a
+# millisecond and the loop timings move by several percent): a near-tie is not worth running slower.
 AUTO_MIN_GAIN = 0.02
 _AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: AutoMeasurements}
 
@@ -489,6 +490,7 @@ class AutoMeasurements:
     calibration: dict[str, Any]
     cost: Any  # profile.CostModel
     prefill_s: float
+    margin: float  # the predicted gain below which "auto" runs plain decoding
     plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
@@ -536,13 +538,14 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
         best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
                     choice.runner_up], key=lambda c: -1.0 if c is None else c.speedup)
     chosen = best.shape
-    if best.speedup < 1 + AUTO_MIN_GAIN:  # within the cost model's error of plain decoding: run plain
+    if best.speedup < 1 + measured.margin:  # within the cost model's error of plain decoding: run plain
         chosen = Shape("off", None, 1.0)
     info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch, "tokens": max_new_tokens,
             "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
             "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
             "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
+            "margin": measured.margin,
             "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
     measured.plans[max_new_tokens] = (chosen.spec, info)
@@ -562,7 +565,8 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
     return AutoMeasurements(drafter.params, tuple(cal.p_rank),
                             {"calibration_shape": spec.num_nodes, "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
-                            cost_for_run(target, drafter, batch, context, times), times.prefill_s)
+                            cost_for_run(target, drafter, batch, context, times), times.prefill_s,
+                            max(AUTO_MIN_GAIN, 2 * times.noise))
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,

@@ -175,6 +175,7 @@ class RunTimes:
     plain_step_s: float
     spec_rounds: tuple[tuple[int, int, float], ...]
     prefill_s: float = 0.0
+    noise: float = 0.0  # relative standard error of those medians (plain step and rounds together)
 
 
 AUTO_PROFILE_NODES = (1, 4, 16, 64)  # verify passes timed for "auto" (interpolated in between)

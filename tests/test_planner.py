@@ -401,6 +401,24 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
     assert out.stats["drafter_calls"] == 0
 
 
+def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
+    """Loop timings with a 5% relative standard error make "auto" refuse an 8% predicted gain (margin 10%)."""
+    import dataclasses
+
+    import specjax
+
+    target, drafter, prompts = tiny_pair
+    real = calibration.run_times
+    monkeypatch.setattr(calibration, "run_times", lambda *a, **k: dataclasses.replace(real(*a, **k), noise=0.05))
+    gain = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1.08)
+    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
+    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
+    assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["margin"] == pytest.approx(0.1)
+    assert calibration.relative_error([1.0, 1.0, 1.0]) == 0.0
+    assert calibration.relative_error([0.9, 1.0, 1.1, 1.0]) == pytest.approx(1.25 * 1.4826 * 0.05 / 2 / 1.0)
+
+
 def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, monkeypatch):
     """cost_for_run with loop timings: plain steps cost what they measured; every round pays what the timed
     chains took beyond their modelled pass and drafting, as a line in nodes fitted through them and held
