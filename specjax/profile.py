@@ -370,8 +370,8 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
     Each row's cache holds `cache_len` positions. Rounds are timed as the loop runs them: `steps` rounds in
     one jitted `fori_loop` with the cache carried (and donated between calls), divided by `steps`. Timed
     one call per round instead, a round pays its own dispatch, and on the CPU its commit copies the whole
-    cache: 40 ms of an 80 ms round at batch 32 with 1k positions, which the loop does not pay. Tree shape
-    does not change the cost, only N.
+    cache, which the loop does not pay (scripts/profile_vs_loop.py: 68 ms against 41 ms for a 1-node
+    round). Tree shape does not change the cost, only N.
     """
     import jax
     import jax.numpy as jnp
