@@ -32,7 +32,11 @@ from specjax import generate, load, load_drafter
 from specjax.bench_ar import machine_info
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
 from specjax.drafters.replay import tree_replay
-from specjax.planner import Call, auto_cost, shape_of
+from specjax.config import SamplingConfig
+from specjax.drafters.base import Settings
+from specjax.planner import Call, auto_cost, shape_of, tree_with_its_drafting
+from specjax.request import prompt_ids
+from specjax.tree import chain
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny"
@@ -54,6 +58,17 @@ def make_drafter(name: str, target, prompts: list[str], max_new_tokens: int):
     # no reference would all be wrong there, which is not the acceptance the drafter claims.
     base = generate(target, prompts, max_new_tokens=max_new_tokens + REFERENCE_SLACK, eos_token_id=[])
     return tree_replay(base.tokens, target.cfg.vocab_size, alpha)
+
+
+def tree_rescorer(target, drafter, prompts: list[str], batch: int, cost, call, max_new_tokens: int):
+    """For a drafter that runs a model per round: trees predicted with their own drafting (the cost model's
+    draft_s times a chain of the tree's depth, and a draft model runs every level's whole frontier), as
+    "auto" predicts its own pick. None for drafters whose propose costs nothing (replay)."""
+    settings = Settings(chain(1), SamplingConfig(), 256, 16)
+    if drafter.configure(settings).calls_per_round() == 0:
+        return None
+    context = max(len(r) for r in prompt_ids(target, prompts)) + max_new_tokens // 2  # as "auto" times it
+    return lambda scored: tree_with_its_drafting(scored, target, drafter, batch, context, cost, call)
 
 
 def summary_table(drafters: dict) -> str:
@@ -78,7 +93,7 @@ def parse_args(argv):
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--min-time", type=float, default=10.0,
+    ap.add_argument("--min-time", type=float, default=20.0,
                     help="more repeats (up to 60) until one batch's timed runs add up to this many seconds")
     ap.add_argument("--out", default="runs/plan_check.json")
     return ap.parse_args(argv)
@@ -109,8 +124,9 @@ def main(argv=None) -> int:
             batch_rows = measure_shapes(target, prompts, drafter, shapes, max_new_tokens=args.max_new_tokens,
                                         repeats=args.repeats, batch=b, auto="tree", min_time_s=args.min_time,
                                         log=log)
-            call = Call(args.max_new_tokens, lambda batch, s=plan["prefill_s"]: s)
-            add_predictions(batch_rows, shapes, auto_cost(target, drafter, b), call)
+            call, cost = Call(args.max_new_tokens, lambda batch, s=plan["prefill_s"]: s), auto_cost(target, drafter, b)
+            add_predictions(batch_rows, shapes, cost, call, tree_rescorer(target, drafter, prompts, b, cost, call,
+                                                                          args.max_new_tokens))
             rows += batch_rows
             # Free this batch's executables: one process holding hundreds of them exhausts the kernel's memory
             # mappings (vm.max_map_count) and XLA's next compile fails.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .calibration import calibrate
-from .planner import (Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model, shape_curve,
+from .planner import (Call, Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model, shape_curve,
                       shape_of)
 from .profile import CostModel, cost_model, local_device, profile, save_profile
 from .tree import chain, parse_tree
@@ -51,6 +51,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape of the calibration run (default kary:4,2,1,1, or chain:4 for chain-only drafters)")
     p.add_argument("--calibrate-prompts", type=int, default=8)
     p.add_argument("--calibrate-tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="score one generate call per concurrency: every row decodes this many tokens, the batch "
+                        "waits for its slowest row, the prefill is paid once (default: a server, rows refilled)")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="--tokens: prompt tokens per row; the prefill is modelled as a pass of that many per row")
     p.add_argument("--max-nodes", type=int, default=None, help="largest tree considered (default 512 / 64)")
     p.add_argument("--max-depth", type=int, default=24)
     p.add_argument("--plot", default=None, help="write a PNG of predicted speedup vs concurrency")
@@ -86,13 +91,21 @@ def plan_main(args: argparse.Namespace) -> int:
         cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost)
         max_nodes = args.max_nodes or 64
     print(f"cost: {cm.source}")
+    call = None
+    if args.tokens is not None:
+        if args.tokens < 1 or args.prompt_len < 1:
+            raise ValueError(f"--tokens and --prompt-len must be >= 1, got {args.tokens} and {args.prompt_len}")
+        call = Call(args.tokens, lambda b: cm.verify_s(b, args.prompt_len))
+        print(f"scored as one call per concurrency: {args.tokens} tokens per row after a {args.prompt_len}-token "
+              f"prompt, until the slowest row is done")
+        report["call"] = {"tokens": args.tokens, "prompt_len": args.prompt_len}
     table = best_trees(p, max_nodes, args.max_depth) if tree_ok else None
     choices = plan(p, batches, cm.verify_s, cm.draft_s, max_nodes=max_nodes, max_depth=args.max_depth,
-                   tree_ok=tree_ok, table=table)
+                   tree_ok=tree_ok, table=table, call=call)
     print(format_plan(choices))
     report |= {"p_rank": list(p), "cost": cm.source, "choices": [c.as_dict() for c in choices]}
     if args.plot:
-        plot_speedups(p, cm, choices, table, args.plot, title=cm.source)
+        plot_speedups(p, cm, choices, table, args.plot, title=cm.source, call=call)
         print(f"wrote {args.plot}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +144,8 @@ def plot_shapes(p, choices: Sequence[Choice], table) -> list[Shape]:
     return out
 
 
-def plot_speedups(p, cm: CostModel, choices: Sequence[Choice], table, path: str, title: str = "") -> None:
+def plot_speedups(p, cm: CostModel, choices: Sequence[Choice], table, path: str, title: str = "",
+                  call: Call | None = None) -> None:
     """Predicted speedup vs concurrency, one line per shape, on log-2 axes; the planner's pick marked."""
     try:
         import matplotlib
@@ -143,7 +157,7 @@ def plot_speedups(p, cm: CostModel, choices: Sequence[Choice], table, path: str,
         raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
     lo, hi = min(c.batch for c in choices), max(c.batch for c in choices)
     grid = sorted({2 ** i for i in range(0, 12) if lo <= 2 ** i <= hi} | {c.batch for c in choices})
-    curves = shape_curve(plot_shapes(p, choices, table), grid, cm.verify_s, cm.draft_s)
+    curves = shape_curve(plot_shapes(p, choices, table), grid, cm.verify_s, cm.draft_s, call=call)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = plt.get_cmap("tab20").colors
     for i, (label, ys) in enumerate(curves.items()):

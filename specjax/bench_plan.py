@@ -48,6 +48,11 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
     At least `repeats` rounds, and more (up to max_repeats) until the rounds add up to min_time_s by the
     warm-up's timings: a batch-1 run takes milliseconds, and a few of them are mostly timer noise.
 
+    Repeat i runs every configuration with seed i, so a stochastic drafter's (the replay drafter's) luck is
+    averaged over repeats: one fixed seed makes a batch-1 shape's tau a single draw (a chain of 7 at
+    acceptance 0.6 measured tau 1.9 to 3.2 over seeds), and the best of a dozen single draws is partly
+    the luckiest. Every run is checked equal to plain greedy decoding.
+
     auto: "tree" or "num_draft_tokens" adds the row `generate(..., <auto>="auto")` (planned at warm-up, then
     run with its cached plan) labelled "auto", with the plan in row["plan"]. EOS is off (every row decodes
     max_new_tokens). Returns one row per configuration: measured tau, median tokens/s, and speedup over the
@@ -55,24 +60,27 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
     """
     kw = {"max_new_tokens": max_new_tokens, "eos_token_id": []}
     base = generate(target, prompts, **kw)
-    runs = {s.label: (s, (lambda s=s: generate(target, prompts, **kw) if s.kind == "off" else
-                          generate(target, prompts, drafter=drafter, tree=s.spec, **kw))) for s in shapes}
+    runs = {s.label: (s, (lambda seed, s=s: generate(target, prompts, seed=seed, **kw) if s.kind == "off" else
+                          generate(target, prompts, drafter=drafter, tree=s.spec, seed=seed, **kw))) for s in shapes}
     if auto:
-        runs["auto"] = (None, lambda: generate(target, prompts, drafter=drafter, **{auto: "auto"}, **kw))
-    taus, plans, round_s = {}, {}, 0.0
-    for label, (_, run) in runs.items():  # warm-up: compile (and plan), check equality with plain decoding
-        out = run()
-        if out.tokens != base.tokens:
-            raise RuntimeError(f"{label} at batch {batch} differs from plain decoding (fp32 greedy must match)")
-        taus[label], plans[label] = out.stats["acceptance_length"], out.stats.get("plan")
-        round_s += run().stats["decode_s"]  # warm now
+        runs["auto"] = (None, lambda seed: generate(target, prompts, drafter=drafter, seed=seed, **{auto: "auto"},
+                                                    **kw))
+    plans, round_s = {}, 0.0
+    for label, (_, run) in runs.items():  # warm-up: compile (and plan)
+        plans[label] = run(0).stats.get("plan")
+        round_s += run(0).stats["decode_s"]  # warm now
     repeats = max(repeats, min(max_repeats, math.ceil(min_time_s / round_s)))
     labels = list(runs)
-    tps = {label: [] for label in labels}
+    tps, taus = {label: [] for label in labels}, {label: [] for label in labels}
     order = np.random.default_rng(0)
-    for _ in range(repeats):  # a fresh order every repeat: no configuration always runs after the same one
+    for seed in range(repeats):  # a fresh order every repeat: no configuration always runs after the same one
         for j in order.permutation(len(labels)):
-            tps[labels[j]].append(runs[labels[j]][1]().stats["tokens_per_s"])
+            out = runs[labels[j]][1](seed)
+            if out.tokens != base.tokens:
+                raise RuntimeError(f"{labels[j]} at batch {batch} (seed {seed}) differs from plain decoding "
+                                   f"(fp32 greedy must match)")
+            tps[labels[j]].append(out.stats["tokens_per_s"])
+            taus[labels[j]].append(out.stats.get("acceptance_length", 1.0))
     rows = []
     for label in labels:
         shape = runs[label][0]
@@ -82,25 +90,30 @@ def measure_shapes(target, prompts: list, drafter, shapes: list, *, max_new_toke
                      "parents": list(shape.spec.parents) if shape and shape.spec else None,
                      "nodes": shape.nodes if shape else len(plan.get("parents") or [0]),
                      "depth": None if shape is None else shape.depth,
-                     "tau_measured": taus[label], "tau_predicted": plan["predicted_tau"] if plan else shape.tau,
+                     "tau_measured": statistics.fmean(taus[label]),
+                     "tau_predicted": plan["predicted_tau"] if plan else shape.tau,
                      "tokens_per_s": statistics.median(tps[label]), "tokens_per_s_all": tps[label],
                      "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
                      "repeats": repeats,
                      "plan": plan})
         what = f"auto -> {plan['shape']}" if plan else label
-        log(f"batch {batch:4d} {what:<24} tau {taus[label]:5.2f} (model {rows[-1]['tau_predicted']:5.2f})  speedup "
-            f"{rows[-1]['speedup']:5.2f}x [{min(ratios):.2f}..{max(ratios):.2f}] over {repeats} repeats")
+        row = rows[-1]
+        log(f"batch {batch:4d} {what:<24} tau {row['tau_measured']:5.2f} (model {row['tau_predicted']:5.2f})  speedup "
+            f"{row['speedup']:5.2f}x [{min(ratios):.2f}..{max(ratios):.2f}] over {repeats} repeats")
     return rows
 
 
-def add_predictions(rows: list[dict], shapes: list, cost, call=None) -> None:
+def add_predictions(rows: list[dict], shapes: list, cost, call=None, rescore_tree=None) -> None:
     """Each fixed shape's predicted speedup under `cost` (a profile.CostModel) for `call` (a planner.Call: the
-    measured runs are whole generate calls) and the relative error."""
+    measured runs are whole generate calls) and the relative error. rescore_tree (Scored -> Scored), when
+    given, rescores tree shapes (a draft model's trees: `planner.tree_with_its_drafting`)."""
     by_label = {s.label: s for s in shapes}
     for r in rows:
         if r["shape"] in by_label:
-            r["speedup_predicted"] = score(by_label[r["shape"]], r["batch"], cost.verify_s, cost.draft_s,
-                                           cost.plain_s, call).speedup
+            scored = score(by_label[r["shape"]], r["batch"], cost.verify_s, cost.draft_s, cost.plain_s, call)
+            if rescore_tree is not None and scored.shape.kind == "tree":
+                scored = rescore_tree(scored)
+            r["speedup_predicted"] = scored.speedup
         elif r.get("plan"):
             r["speedup_predicted"] = r["plan"]["predicted_speedup"]
         else:

@@ -471,10 +471,12 @@ def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
 CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
+CALIBRATION_MIN_TOKENS = 256  # small batches calibrate over more seeds until this many tokens were emitted
 TIMED_CHAINS = (1, 2, 4, 8)  # chains timed inside the loop next to plain decoding (profile.in_loop)
-# "auto" speculates only when the prediction beats plain decoding by this much, or by twice the measured
-# timings' relative standard error when that is larger (at batch 1 a round takes a fraction of a
-# millisecond and the loop timings move by several percent): a near-tie is not worth running slower.
+# "auto" speculates only when the prediction beats plain decoding by this much, or by twice the relative
+# standard error of the loop timings behind it (plain steps, and the timed chain nearest the shape in nodes)
+# when that is larger: at batch 1 a round takes a fraction of a millisecond and the timings move by several
+# percent. A near-tie is not worth running slower.
 AUTO_MIN_GAIN = 0.02
 _AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: AutoMeasurements}
 
@@ -490,7 +492,7 @@ class AutoMeasurements:
     calibration: dict[str, Any]
     cost: Any  # profile.CostModel
     prefill_s: float
-    margin: float  # the predicted gain below which "auto" runs plain decoding
+    times: Any  # profile.RunTimes: the loop timings, whose noise sets the margin
     plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
@@ -500,7 +502,8 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     made now when there are none.
 
     Measuring: a short calibration run on these prompts for acceptance (a 4,2,1,1 tree, or a chain of 4
-    when trees=False or the drafter proposes chains only); chains of TIMED_CHAINS timed next to plain
+    when trees=False or the drafter proposes chains only; repeated over seeds until CALIBRATION_MIN_TOKENS
+    tokens, for a stochastic drafter or sampling at small batches); chains of TIMED_CHAINS timed next to plain
     decoding on the same prompts; pass costs from `profile.cost_for_run` (measured here, or
     $SPECJAX_PROFILE), corrected to the rounds timed in the loop. Planning: `plan` at this batch bucket
     for this call (its prefill, and its slowest row after max_new_tokens). Returns (None for "off", or the
@@ -538,14 +541,15 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
         best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
                     choice.runner_up], key=lambda c: -1.0 if c is None else c.speedup)
     chosen = best.shape
-    if best.speedup < 1 + measured.margin:  # within the cost model's error of plain decoding: run plain
+    margin = max(AUTO_MIN_GAIN, 2 * measured.times.noise_at(best.shape.nodes))
+    if best.speedup < 1 + margin:  # within the timings' error of plain decoding: run plain
         chosen = Shape("off", None, 1.0)
     info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch, "tokens": max_new_tokens,
             "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
             "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
             "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
-            "margin": measured.margin,
+            "margin": margin,
             "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
     measured.plans[max_new_tokens] = (chosen.spec, info)
@@ -559,14 +563,14 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
     from .profile import cost_for_run
 
     spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
-    cal = calibrate(target, drafter, prompts, spec, **run)
+    cal = calibrate(target, drafter, prompts, spec, min_tokens=CALIBRATION_MIN_TOKENS, **run)
     # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
     times = run_times(target, drafter, prompts, sorted({min(k, max_chain) for k in TIMED_CHAINS}), **run)
     return AutoMeasurements(drafter.params, tuple(cal.p_rank),
-                            {"calibration_shape": spec.num_nodes, "calibration_tau_measured": cal.measured_tau,
+                            {"calibration_shape": spec.num_nodes, "calibration_rounds": cal.rounds,
+                             "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
-                            cost_for_run(target, drafter, batch, context, times), times.prefill_s,
-                            max(AUTO_MIN_GAIN, 2 * times.noise))
+                            cost_for_run(target, drafter, batch, context, times), times.prefill_s, times)
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,

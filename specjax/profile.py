@@ -175,7 +175,17 @@ class RunTimes:
     plain_step_s: float
     spec_rounds: tuple[tuple[int, int, float], ...]
     prefill_s: float = 0.0
-    noise: float = 0.0  # relative standard error of those medians (plain step and rounds together)
+    # Per chain in spec_rounds: the relative standard error of its round's median and the plain step's together.
+    noise: tuple[float, ...] = ()
+
+    def noise_at(self, nodes: int) -> float:
+        """The timing noise behind a prediction for a shape of `nodes` nodes: that of the timed chain nearest
+        in nodes (the larger on a tie; 0 without timings)."""
+        if not self.noise:
+            return 0.0
+        nearest = min(range(len(self.noise)), key=lambda i: (abs(self.spec_rounds[i][0] - nodes),
+                                                             -self.spec_rounds[i][0]))
+        return self.noise[nearest]
 
 
 AUTO_PROFILE_NODES = (1, 4, 16, 64)  # verify passes timed for "auto" (interpolated in between)

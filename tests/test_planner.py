@@ -15,8 +15,8 @@ from specjax import planner
 from specjax import calibration
 from specjax.planner import (best_tree, best_trees, brute_force_best, chain_tau, expected_tau, plan, published_model,
                              score, shape_of)
-from specjax.profile import DEVICES, CostModel, Profile, Roofline, interp, load_profile, save_profile
-from specjax.tree import chain, child_ranks, kary
+from specjax.profile import DEVICES, CostModel, Profile, Roofline, RunTimes, interp, load_profile, save_profile
+from specjax.tree import TreeSpec, chain, child_ranks, kary
 
 P_VECTORS = [
     (0.8, 0.16, 0.032),  # geometric, alpha 0.8
@@ -157,6 +157,28 @@ def test_plan_cli_model_only(capsys, tmp_path):
     assert "chain:2" in text and "| 1 | tree:" in text
     saved = json.loads(out_json.read_text())
     assert saved["choices"][1]["best"]["label"] == "chain:2"
+
+
+def test_plan_cli_scores_one_call_with_tokens(capsys, tmp_path):
+    """--tokens scores a generate call (prefill once, slowest row) instead of a server: the same shape's
+    predicted speedup matches planner.score with that Call, and a batch that waits for its slowest of 128
+    rows gains less than refilled rows do."""
+    from specjax.cli import main
+    from specjax.planner import Call
+
+    server, one_call = tmp_path / "server.json", tmp_path / "call.json"
+    base = ["plan", "--model-only", "--concurrency", "1,128", "--max-nodes", "64"]
+    assert main([*base, "--json", str(server)]) == 0
+    assert main([*base, "--tokens", "64", "--prompt-len", "256", "--json", str(one_call)]) == 0
+    assert "one call per concurrency" in capsys.readouterr().out
+    refilled, called = (json.loads(f.read_text()) for f in (server, one_call))
+    assert called["call"] == {"tokens": 64, "prompt_len": 256}
+    p, cm = published_model(0.8, 0.05, "h100")
+    best = called["choices"][1]["best"]
+    shape = shape_of(chain(best["depth"]) if best["kind"] == "chain" else TreeSpec(tuple(best["parents"])), p)
+    expected = score(shape, 128, cm.verify_s, cm.draft_s, call=Call(64, lambda b: cm.verify_s(b, 256))).speedup
+    assert best["speedup"] == pytest.approx(expected)
+    assert best["speedup"] < refilled["choices"][1]["best"]["speedup"]
 
 
 # ---------------------------------------------------------------- 3. profiling
@@ -331,6 +353,42 @@ def test_tree_replay_accepts_as_the_positional_model_says():
     assert cal.p_rank == pytest.approx((0.6, 0.24, 0.096), abs=0.05)
 
 
+def test_calibration_pools_seeds_for_a_stochastic_drafter_and_stops_for_a_deterministic_one(tiny_pair):
+    """One short row is one draw of the drafter's luck: calibrate() pools seeds until min_tokens were emitted,
+    and stops after the second run when it repeats the first (greedy draft model: nothing new to draw)."""
+    import specjax
+
+    from specjax.drafters.replay import tree_replay
+
+    target, drafter, prompts = tiny_pair
+    one = calibration.calibrate(target, drafter, prompts[:1], chain(3), max_new_tokens=16, min_tokens=200)
+    single = calibration.calibrate(target, drafter, prompts[:1], chain(3), max_new_tokens=16)
+    assert one.rounds == single.rounds and one.p_rank == pytest.approx(single.p_rank)
+
+    tiny = tiny_target(1)
+    row = np.random.default_rng(1).integers(3, 512, size=(1, 8)).tolist()
+    base = specjax.generate(tiny, row, max_new_tokens=40, eos_token_id=[])
+    replay = tree_replay(base.tokens, 512, 0.6)
+    seeds = [calibration.calibrate(tiny, replay, row, chain(3), max_new_tokens=32, seed=s, eos_token_id=[])
+             for s in range(6)]
+    pooled = calibration.calibrate(tiny, replay, row, chain(3), max_new_tokens=32, eos_token_id=[], min_tokens=160)
+    runs = _runs_for(seeds, 160)
+    assert runs > 1 and pooled.rounds == sum(c.rounds for c in seeds[:runs])
+    assert pooled.measured_tau == pytest.approx(sum(c.measured_tau * c.rounds for c in seeds[:runs]) / pooled.rounds)
+    assert len({round(c.p_rank[0], 6) for c in seeds}) > 1  # seeds are different draws
+    assert pooled.p_rank[0] == pytest.approx(0.6, abs=0.1)
+
+
+def _runs_for(calibrations, min_tokens: int) -> int:
+    """How many of these single-seed runs calibrate() pools to emit min_tokens."""
+    total = 0.0
+    for i, c in enumerate(calibrations, 1):
+        total += c.measured_tau * c.rounds
+        if total >= min_tokens:
+            return i
+    return len(calibrations)
+
+
 def test_load_curve_script_tiny(tmp_path):
     lc = load_script()
     out, png = tmp_path / "lc.json", tmp_path / "lc.png"
@@ -370,14 +428,14 @@ def test_plan_check_script_tiny(tmp_path):
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
     out = tmp_path / "pc.json"
-    assert pc.main(["--drafters", "replay:0.9", "--batches", "1,2", "--chains", "1,2", "--trees", "6",
+    assert pc.main(["--drafters", "draft,replay:0.9", "--batches", "1,2", "--chains", "1,2", "--trees", "6",
                     "--max-depth", "2", "--repeats", "1", "--min-time", "0", "--max-new-tokens", "16",
                     "--out", str(out)]) in (0, 1)
-    result = json.loads(out.read_text())["drafters"]["replay:0.9"]
-    assert {r["shape"] for r in result["rows"]} >= {"off", "chain:1", "chain:2", "auto"}
-    assert all("speedup_predicted" in r for r in result["rows"])
-    for k in result["picks"].values():
-        assert {"pick_vs_best", "auto_vs_plain", "pass"} <= set(k)
+    for name, result in json.loads(out.read_text())["drafters"].items():
+        assert {r["shape"] for r in result["rows"]} >= {"off", "chain:1", "chain:2", "auto"}, name
+        assert all("speedup_predicted" in r for r in result["rows"]), name
+        for k in result["picks"].values():
+            assert {"pick_vs_best", "auto_vs_plain", "pass"} <= set(k)
 
 
 def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):
@@ -402,19 +460,23 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
 
 
 def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
-    """Loop timings with a 5% relative standard error make "auto" refuse an 8% predicted gain (margin 10%)."""
+    """Loop timings with a 5% relative standard error near the shape make "auto" refuse an 8% predicted gain
+    (margin 10%); the noise of a timed chain far from the shape does not count."""
     import dataclasses
 
     import specjax
 
     target, drafter, prompts = tiny_pair
     real = calibration.run_times
-    monkeypatch.setattr(calibration, "run_times", lambda *a, **k: dataclasses.replace(real(*a, **k), noise=0.05))
+    monkeypatch.setattr(calibration, "run_times",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), noise=(0.01, 0.05, 0.3, 0.4)))
     gain = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1.08)
     monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
     monkeypatch.setattr(planner, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["margin"] == pytest.approx(0.1)
+    times = RunTimes(0.01, ((2, 1, 0.02), (3, 2, 0.02), (5, 4, 0.02), (9, 8, 0.02)), 0.0, (0.01, 0.05, 0.3, 0.4))
+    assert [times.noise_at(n) for n in (1, 2, 3, 4, 7, 64)] == [0.01, 0.01, 0.05, 0.3, 0.4, 0.4]
     assert calibration.relative_error([1.0, 1.0, 1.0]) == 0.0
     assert calibration.relative_error([0.9, 1.0, 1.1, 1.0]) == pytest.approx(1.25 * 1.4826 * 0.05 / 2 / 1.0)
 
