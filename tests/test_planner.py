@@ -482,9 +482,9 @@ def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
 
 
 def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, monkeypatch):
-    """cost_for_run with loop timings: plain steps cost what they measured; every round pays what the timed
-    chains took beyond their modelled pass and drafting, as a line in nodes fitted through them and held
-    flat outside them, and no round costs less than a plain step."""
+    """cost_for_run with loop timings: plain steps cost what they measured; inside the timed chains' range a
+    round costs what they took less their drafting, interpolated in nodes; past it the longest timed round
+    plus what the modelled pass adds; no round costs less than a plain step."""
     from specjax.profile import RunTimes, cost_for_run
 
     target, drafter, _ = tiny_pair
@@ -494,16 +494,15 @@ def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, mo
     monkeypatch.setenv("SPECJAX_PROFILE", str(path))
     base = cost_for_run(target, drafter, 2, 64)
     assert base.plain_s is None and base.verify_s(2, 5) == pytest.approx(0.005)
-    # Chains of 1, 2 and 4 took -0.6 ms + 0.2 ms per node beyond their pass + drafting, plus noise that the
-    # least-squares line averages out (it sums to zero and is uncorrelated with the node count).
-    line = lambda n: -0.0006 + 0.0002 * n  # noqa: E731
-    noise = {2: 0.0001, 3: -0.00015, 5: 0.00005}
-    rounds = tuple((n, n - 1, 0.001 * n + 0.0005 * (n - 1) + line(n) + noise[n]) for n in (2, 3, 5))
+    # Chains of 1, 2 and 4 (2, 3, 5 nodes) took these rounds, drafting (0.5 ms per level) included.
+    undrafted = {2: 0.0015, 3: 0.0030, 5: 0.0034}
+    rounds = tuple((n, n - 1, undrafted[n] + 0.0005 * (n - 1)) for n in (5, 2, 3))
     cost = cost_for_run(target, drafter, 2, 64, RunTimes(0.0012, rounds))
     assert cost.plain_s(2) == 0.0012 and cost.draft_s(2, 1) == pytest.approx(0.0005)
-    assert [cost.verify_s(2, n) for n in (2, 3, 4, 5)] == pytest.approx([0.001 * n + line(n) for n in (2, 3, 4, 5)])
-    assert cost.verify_s(2, 16) == pytest.approx(0.016 + line(5))  # held flat past the longest timed chain
-    assert "-0.60 ms +0.200 ms per node" in cost.source
+    assert [cost.verify_s(2, n) for n in (2, 3, 4, 5)] == pytest.approx([0.0015, 0.0030, 0.0032, 0.0034])
+    assert cost.verify_s(2, 16) == pytest.approx(0.0034 + 0.016 - 0.005)  # the modelled pass beyond 5 nodes
+    assert cost.verify_s(2, 1) == pytest.approx(0.0015)  # held flat below the shortest timed chain
+    assert "interpolated in nodes" in cost.source
     # A measurement far below the modelled pass never makes a round cheaper than a plain step.
     fast = cost_for_run(target, drafter, 2, 64, RunTimes(0.0012, ((2, 1, 0.0001), (5, 4, 0.0002))))
     assert fast.verify_s(2, 4) == pytest.approx(0.0012)
