@@ -4,7 +4,7 @@
     python scripts/loop_timing_noise.py --batch 16 --repeats 3,7
 
 For the embedded target and the tree replay drafter (acceptance --alpha) on the manifest's held-out
-prompts: per setting of `repeats`, --trials calls of run_times (plain decoding and chains of 1, 2, 4, 8
+prompts: per setting of `repeats`, --trials calls of run_times (plain decoding and planner.TIMED_CHAINS
 timed in the loop), each call's medians (ms per plain step and per round) and its noise estimate (the
 relative standard error behind "auto"'s margin). Steady medians and a steady noise estimate across
 trials are what a plan needs; the spread of the medians across trials is the error a plan inherits.
@@ -24,6 +24,7 @@ from plan_check import TINY, held_out_prompts, make_drafter  # noqa: E402
 
 from specjax import load  # noqa: E402
 from specjax.calibration import run_times  # noqa: E402
+from specjax.planner import TIMED_CHAINS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,12 +38,13 @@ def main(argv=None) -> int:
     target = load(TINY / "target")
     prompts = held_out_prompts(args.batch)
     drafter = make_drafter(f"replay:{args.alpha}", target, prompts, args.max_new_tokens)
-    print(f"batch {args.batch}, replay {args.alpha}, {args.max_new_tokens} tokens; ms per plain step | chains 1,2,4,8")
+    print(f"batch {args.batch}, replay {args.alpha}, {args.max_new_tokens} tokens; ms per plain step | chains "
+          f"{','.join(map(str, TIMED_CHAINS))}")
     for repeats in (int(x) for x in args.repeats.split(",")):
         medians = []
         for trial in range(args.trials):
             start = time.perf_counter()
-            rt = run_times(target, drafter, prompts, [1, 2, 4, 8], max_new_tokens=args.max_new_tokens,
+            rt = run_times(target, drafter, prompts, list(TIMED_CHAINS), max_new_tokens=args.max_new_tokens,
                            eos_token_id=[], repeats=repeats, min_time_s=0.0)
             row = [rt.plain_step_s] + [s for _, _, s in rt.spec_rounds]
             medians.append(row)

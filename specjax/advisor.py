@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .calibration import calibrate
-from .planner import (Call, Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model, shape_curve,
-                      shape_of)
+from .planner import (Call, Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model,
+                      shape_curve, shape_of)
 from .profile import CostModel, cost_model, local_device, profile, save_profile
 from .tree import chain, parse_tree
 

@@ -180,7 +180,8 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
     step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
     plain_error = relative_error([p for p, _ in plain[1:]])
     return RunTimes(float(step_s), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()),
-                    float(prefill_s), tuple(float(np.hypot(plain_error, relative_error(t[1:]))) for t in rounds.values()))
+                    float(prefill_s),
+                    tuple(float(np.hypot(plain_error, relative_error(t[1:]))) for t in rounds.values()))
 
 
 def relative_error(x: Sequence[float]) -> float:

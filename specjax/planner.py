@@ -472,7 +472,10 @@ CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below
 CALIBRATION_CHAIN = 4
 CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
 CALIBRATION_MIN_TOKENS = 256  # small batches calibrate over more seeds until this many tokens were emitted
-TIMED_CHAINS = (1, 2, 4, 8)  # chains timed inside the loop next to plain decoding (profile.in_loop)
+# Chains timed inside the loop next to plain decoding (profile.in_loop). Every chain up to 4, the shapes
+# loaded batches pick: at batch 16 on this CPU a chain of 3 (64 tokens per pass) measured 1.38-1.47x in
+# three runs against 1.30-1.33x for chains of 2 and 4, a dip no interpolation between them can see.
+TIMED_CHAINS = (1, 2, 3, 4, 8)
 # "auto" speculates only when the prediction beats plain decoding by this much, or by twice the relative
 # standard error of the loop timings behind it (plain steps, and the timed chain nearest the shape in nodes)
 # when that is larger: at batch 1 a round takes a fraction of a millisecond and the timings move by several

@@ -178,6 +178,11 @@ class RunTimes:
     # Per chain in spec_rounds: the relative standard error of its round's median and the plain step's together.
     noise: tuple[float, ...] = ()
 
+    def __post_init__(self):
+        if self.noise and len(self.noise) != len(self.spec_rounds):
+            raise ValueError(f"RunTimes has {len(self.noise)} noise figures for {len(self.spec_rounds)} timed chains: "
+                             f"give one per chain, or none")
+
     def noise_at(self, nodes: int) -> float:
         """The timing noise behind a prediction for a shape of `nodes` nodes: that of the timed chain nearest
         in nodes (the larger on a tie; 0 without timings)."""

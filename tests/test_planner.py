@@ -469,7 +469,7 @@ def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
     target, drafter, prompts = tiny_pair
     real = calibration.run_times
     monkeypatch.setattr(calibration, "run_times",
-                        lambda *a, **k: dataclasses.replace(real(*a, **k), noise=(0.01, 0.05, 0.3, 0.4)))
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), noise=(0.01, 0.05, 0.3, 0.3, 0.4)))
     gain = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1.08)
     monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
     monkeypatch.setattr(planner, "_AUTO_PLANS", None)
