@@ -9,11 +9,11 @@ and the tree replay drafter (specjax/drafters/replay.py) at acceptance 0.6 and 0
 `generate(..., tree="auto")` (planned first: calibration run, timing of plain and speculative rounds,
 pass costs measured here, see specjax/planner.py auto_shape), plain decoding, chains of 1..8, and
 the DP's trees of 8, 16 and 32 nodes for the first batch's calibrated acceptance. Every
-configuration is checked equal to plain decoding, then measured interleaved over --repeats rounds
-(more for small batches, until a batch's timed runs reach --min-time seconds); the table gives each
-shape's measured speedup next to the planner's own prediction for it (its acceptance and cost
-model at that batch, for this call: prefill and slowest row included), and per batch the pick
-against the best measured shape.
+run is checked equal to plain decoding; configurations are measured interleaved over --repeats rounds
+(more for small batches, until a batch's timed runs reach --min-time seconds; round i uses seed i); the
+table gives each shape's measured speedup next to the planner's own prediction for it (its acceptance
+and cost model at that batch, for this call: prefill and slowest row included; a draft model's trees
+with their own drafting), and per batch the pick against the best measured shape.
 
 The acceptance bar (issue 11): the pick within 5% of the best measured shape (pick / best >= 0.95)
 and "auto" never below 0.98x plain decoding. Both are printed per cell, with the spread.

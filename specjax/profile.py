@@ -228,9 +228,10 @@ def in_loop(base: CostModel, times: RunTimes, batch: int) -> CostModel:
     the shape's own depth is added by the scorer. A round never costs less than a plain step.
 
     The first version fitted a least-squares line in nodes to what the timed rounds took beyond their
-    modelled passes; on replay 0.6 at batch 1 and 4 its predictions were off by a median 11% and 9%, and
-    interpolating that excess instead by 5% and 2% (same timings, 7 repeats each). Interpolating the rounds
-    themselves also keeps the modelled passes' own timing noise out of the timed range.
+    modelled passes, which carries the passes' own timing noise into the timed range: at batch 1 (replay
+    0.6) its predictions were off by a median 6.8% against 2.8% for this one, from the same timings
+    (`python scripts/loop_correction_check.py`; at batch 4 both were 7% off, shifted alike by the machine's
+    drift between timing and measuring).
     """
     plain = times.plain_step_s
     n_R = np.array([n for n, _, _ in times.spec_rounds], float)

@@ -477,6 +477,8 @@ def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
     assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["margin"] == pytest.approx(0.1)
     times = RunTimes(0.01, ((2, 1, 0.02), (3, 2, 0.02), (5, 4, 0.02), (9, 8, 0.02)), 0.0, (0.01, 0.05, 0.3, 0.4))
     assert [times.noise_at(n) for n in (1, 2, 3, 4, 7, 64)] == [0.01, 0.01, 0.05, 0.3, 0.4, 0.4]
+    with pytest.raises(ValueError, match="one per chain"):
+        RunTimes(0.01, ((2, 1, 0.02), (3, 2, 0.02)), 0.0, (0.01,))
     assert calibration.relative_error([1.0, 1.0, 1.0]) == 0.0
     assert calibration.relative_error([0.9, 1.0, 1.1, 1.0]) == pytest.approx(1.25 * 1.4826 * 0.05 / 2 / 1.0)
 
