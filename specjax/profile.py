@@ -227,7 +227,7 @@ def in_loop(base: CostModel, times: RunTimes, batch: int) -> CostModel:
     nearest timed round plus what the modelled pass adds from there (held flat below it). The drafting of
     the shape's own depth is added by the scorer. A round never costs less than a plain step.
 
-    The first version fitted a least-squares line in nodes to what the timed rounds took beyond their
+    The previous version fitted a least-squares line in nodes to what the timed rounds took beyond their
     modelled passes, which carries the passes' own timing noise into the timed range: at batch 1 (replay
     0.6) its predictions were off by a median 6.8% against 2.8% for this one, from the same timings
     (`python scripts/loop_correction_check.py`; at batch 4 both were 7% off, shifted alike by the machine's
