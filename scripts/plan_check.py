@@ -32,11 +32,8 @@ from specjax import generate, load, load_drafter
 from specjax.bench_ar import machine_info
 from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
 from specjax.drafters.replay import tree_replay
-from specjax.config import SamplingConfig
-from specjax.drafters.base import Settings
-from specjax.planner import Call, auto_cost, shape_of, tree_with_its_drafting
-from specjax.request import prompt_ids
-from specjax.tree import chain
+from specjax.planner import Call, auto_cost, drafts_with_a_model, shape_of, tree_with_its_drafting
+from specjax.request import prompt_ids, timing_context
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny"
@@ -61,14 +58,11 @@ def make_drafter(name: str, target, prompts: list[str], max_new_tokens: int):
 
 
 def tree_rescorer(target, drafter, prompts: list[str], batch: int, cost, call, max_new_tokens: int):
-    """For a drafter that runs a model per round: trees predicted with their own drafting (the cost model's
-    draft_s times a chain of the tree's depth, and a draft model runs every level's whole frontier), as
-    "auto" predicts its own pick. None for drafters whose propose costs nothing (replay)."""
-    settings = Settings(chain(1), SamplingConfig(), 256, 16)
-    if drafter.configure(settings).calls_per_round() == 0:
-        return None
-    context = max(len(r) for r in prompt_ids(target, prompts)) + max_new_tokens // 2  # as "auto" times it
-    return lambda scored: tree_with_its_drafting(scored, target, drafter, batch, context, cost, call)
+    """Trees predicted with their own drafting when drafting them runs a model (a draft model runs every
+    level's whole frontier), as "auto" predicts its own pick; others as scored."""
+    context = timing_context(prompt_ids(target, prompts), max_new_tokens)  # as "auto" times it
+    return lambda scored: (tree_with_its_drafting(scored, target, drafter, batch, context, cost, call)
+                           if drafts_with_a_model(drafter, scored.shape.spec) else scored)
 
 
 def summary_table(drafters: dict) -> str:

@@ -422,6 +422,15 @@ def format_plan(choices: Sequence[Choice]) -> str:
     return "\n".join(lines)
 
 
+def drafts_with_a_model(drafter, spec: TreeSpec) -> bool:
+    """Whether drafting `spec` runs a model (calls per round > 0): a draft model runs every level's whole
+    frontier, so a tree's drafting costs more than the chain of its depth that draft_s(batch, depth) times."""
+    from .config import SamplingConfig
+    from .drafters.base import Settings
+
+    return drafter.configure(Settings(spec, SamplingConfig(), 256, 16)).calls_per_round() > 0
+
+
 def drafter_takes_trees(drafter, target) -> bool:
     """Whether the drafter proposes trees (chain-only drafters refuse a tree in configure)."""
     from .config import SamplingConfig
@@ -513,9 +522,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     TreeSpec) and the record that goes into out.stats["plan"].
     """
     global _AUTO_PLANS
-    from .config import SamplingConfig
-    from .drafters.base import Settings
-    from .request import bucket, prompt_ids
+    from .request import bucket, prompt_ids, timing_context
 
     if _AUTO_PLANS is None:
         _AUTO_PLANS = weakref.WeakKeyDictionary()
@@ -527,7 +534,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     key = (drafter, batch, trees, sampling)
     cached = _AUTO_PLANS.setdefault(target, {})
     measured = cached.get(key)
-    context = max(len(r) for r in ids) + max_new_tokens // 2
+    context = timing_context(ids, max_new_tokens)
     if measured is None or measured.params is not drafter.params:
         run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
                "eos_token_id": eos_token_id}
@@ -539,8 +546,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     choice = plan(measured.p_rank, [batch], measured.cost.verify_s, measured.cost.draft_s, max_nodes=64,
                   max_depth=12, tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s, call=call)[0]
     best = choice.best
-    if best.shape.kind == "tree" and drafter.configure(
-            Settings(best.shape.spec, SamplingConfig(), 256, 16)).calls_per_round() > 0:
+    if best.shape.kind == "tree" and drafts_with_a_model(drafter, best.shape.spec):
         best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
                     choice.runner_up], key=lambda c: -1.0 if c is None else c.speedup)
     chosen = best.shape

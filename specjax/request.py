@@ -90,6 +90,12 @@ def cache_length(target: Target, ids: list[list[int]], max_new_tokens: int, max_
     return round_cache_length(max(bucket(longest) + bucket(max_new_tokens), needed))
 
 
+def timing_context(ids: list[list[int]], max_new_tokens: int) -> int:
+    """Cached positions of the longest row halfway through decoding: the cache length that cost models for a
+    call (the planner's "auto", the prefix scheduler) time their passes at."""
+    return max(len(r) for r in ids) + max_new_tokens // 2
+
+
 def pad_batch(ids: list[list[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Right-pad prompts to a length bucket and the batch to a power of two (padding rows get no budget)."""
     b, t = bucket(len(ids), minimum=1), bucket(max(len(r) for r in ids))

@@ -28,7 +28,7 @@ from .config import SamplingConfig
 from .decode import LoopConfig, first_token_state, is_eos, prefill
 from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
 from .models.decoder import forward, has_layer_list, lm_head
-from .request import GenerateOutput, finish, prepare, run_compiled
+from .request import GenerateOutput, finish, prepare, run_compiled, timing_context
 from .sampling import choose_token, row_keys, split_rows
 from .scheduler import cost_table, prefix_schedule, scheduler_cost, verify_widths, width_for, width_schedule
 from .stats import SpecStats, record_round, record_width, summarize
@@ -193,8 +193,8 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
     if scheduler is not None:
         sched = Scheduler(scheduler, verify_widths(spec.num_nodes))
         batch = req.prompt_BT.shape[0]
-        context = max(len(r) for r in req.ids) + max_new_tokens // 2
-        cost = scheduler_cost(target, scheduler_profile, batch, sched.widths, context)
+        cost = scheduler_cost(target, scheduler_profile, batch, sched.widths,
+                              timing_context(req.ids, max_new_tokens))
         # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
         overhead = cost.draft_s(batch, spec.num_nodes - 1)
         args, static, key = (jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead)),), \
