@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 
 import specjax
-from specjax.agreement import check_agreement, compare_tokens
-from specjax.bench_ar import machine_info
-from specjax.export import export_model
-from specjax.tree import parse_tree
+from specjax.bench.agreement import check_agreement, compare_tokens
+from specjax.bench.ar import machine_info
+from specjax.convert.export import export_model
+from specjax.decoding.tree import parse_tree
 
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"
 

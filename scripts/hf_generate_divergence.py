@@ -21,8 +21,8 @@ import torch
 import transformers
 
 import specjax
-from specjax.agreement import compare_tokens
-from specjax.export import export_model
+from specjax.bench.agreement import compare_tokens
+from specjax.convert.export import export_model
 
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"
 

@@ -30,15 +30,22 @@ import sys
 from pathlib import Path
 
 from specjax import generate
-from specjax.bench_ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
-from specjax.bench_plan import (add_predictions, format_grid, format_table, measure_shapes, pick_summary, plot,
-                                shapes_for)
+from specjax.bench.ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
+from specjax.bench.plan import (
+    add_predictions,
+    format_grid,
+    format_table,
+    measure_shapes,
+    pick_summary,
+    plot,
+    shapes_for,
+)
+from specjax.bench.spec import random_model
+from specjax.decoding.tree import TreeSpec
 from specjax.drafters.replay import tree_replay
-from specjax.bench_spec import random_model
-from specjax.planner import Call, geometric_acceptance, plan, shape_curve, shape_of
-from specjax.profile import Profile, cost_model, profile
-from specjax.target import format_count
-from specjax.tree import TreeSpec
+from specjax.models.target import format_count
+from specjax.planning.planner import Call, geometric_acceptance, plan, shape_curve, shape_of
+from specjax.planning.profile import Profile, cost_model, profile
 
 MODELS = {**PRESETS, "micro": MICRO_PRESET}
 

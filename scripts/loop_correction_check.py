@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_check import TINY, held_out_prompts, make_drafter  # noqa: E402
 
 from specjax import load  # noqa: E402
-from specjax.bench_plan import measure_shapes  # noqa: E402
-from specjax.calibration import calibrate, run_times  # noqa: E402
-from specjax.planner import (CALIBRATION_MIN_TOKENS, CALIBRATION_TREE, TIMED_CHAINS, Call, best_trees,  # noqa: E402
-                             score, shape_of)
-from specjax.profile import CostModel, cost_for_run, in_loop  # noqa: E402
-from specjax.tree import chain, kary  # noqa: E402
+from specjax.bench.plan import measure_shapes  # noqa: E402
+from specjax.decoding.tree import chain, kary  # noqa: E402
+from specjax.planning.auto import CALIBRATION_MIN_TOKENS, CALIBRATION_TREE, TIMED_CHAINS
+from specjax.planning.calibration import calibrate, run_times  # noqa: E402
+from specjax.planning.planner import Call, best_trees, score, shape_of
+from specjax.planning.profile import CostModel, cost_for_run, in_loop  # noqa: E402
 
 
 def least_squares_line(base: CostModel, times, batch: int) -> CostModel:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_check import TINY, held_out_prompts, make_drafter  # noqa: E402
 
 from specjax import load  # noqa: E402
-from specjax.calibration import run_times  # noqa: E402
-from specjax.planner import TIMED_CHAINS  # noqa: E402
+from specjax.planning.auto import TIMED_CHAINS  # noqa: E402
+from specjax.planning.calibration import run_times  # noqa: E402
 
 
 def main(argv=None) -> int:

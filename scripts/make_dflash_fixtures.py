@@ -207,9 +207,9 @@ def run_case(torch, transformers, dmodel, out_dir: Path, commit: str) -> None:
 def round_trip(torch, transformers, dmodel, head_dir: Path, target_dir: Path, seq: int = 9, tol: float = 1e-4) -> bool:
     """The exported drafter in the original vs in specjax: one draft pass's block logits and context cache."""
     import jax.numpy as jnp
+    from safetensors.torch import load_file
 
     import specjax
-    from safetensors.torch import load_file
     from specjax.drafters import dflash
 
     target = specjax.load(target_dir, dtype="float32", attn_impl="xla")

@@ -185,11 +185,10 @@ def draft_round(torch, model, *, context_features, anchor: int, start: int, cach
 
 
 def run_case(torch, name: str, case: dict, out_dir: Path, commit: str) -> None:
-    from transformers import DynamicCache
-
     from deepspec.modeling.dspark.common import extract_context_feature
     from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
     from deepspec.modeling.dspark.qwen3.config import build_draft_config
+    from transformers import DynamicCache
 
     target = build_target(torch, case["seed"], case.get("target", {}))
     model = build_drafter(torch, Qwen3DSparkModel, build_draft_config, target, case["model"], case["seed"])
@@ -242,15 +241,15 @@ def round_trip(torch, head_dir: Path, target_dir: Path, prompt_len: int = 11, to
     import jax
     import jax.numpy as jnp
     import transformers
+    from deepspec.modeling.dspark.common import extract_context_feature
+    from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
     from transformers import DynamicCache
 
     import specjax
-    from deepspec.modeling.dspark.common import extract_context_feature
-    from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
-    from specjax.drafters import dspark_drafter
-    from specjax.drafters.base import PrefillContext, Settings
     from specjax.config import SamplingConfig
-    from specjax.tree import chain
+    from specjax.decoding.drafter import PrefillContext, Settings
+    from specjax.decoding.tree import chain
+    from specjax.loading.drafter import dspark_drafter
 
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     model = Qwen3DSparkModel.from_pretrained(head_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -178,12 +178,12 @@ def run_case(torch, cnets, name: str, case: dict, out_dir: Path, eagle_commit: s
 def round_trip(torch, cnets, head_dir: Path, target_dir: Path, batch: int = 2, seq: int = 9, tol: float = 1e-4) -> bool:
     """The exported head in the original vs in specjax: prefill and second-step draft logits (see the docstring)."""
     import jax.numpy as jnp
+    from safetensors.torch import load_file
 
     import specjax
-    from safetensors.torch import load_file
     from specjax.convert.eagle3 import load_eagle3
     from specjax.drafters.eagle3 import draft_logits, fuse_features, init_head_cache, midlayer
-    from specjax.cache import KVCache
+    from specjax.models.cache import KVCache
 
     target = specjax.load(target_dir, dtype="float32", attn_impl="xla")
     raw = json.loads((head_dir / "config.json").read_text())

@@ -29,11 +29,12 @@ from pathlib import Path
 import jax
 
 from specjax import generate, load, load_drafter
-from specjax.bench_ar import machine_info
-from specjax.bench_plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
+from specjax.bench.ar import machine_info
+from specjax.bench.plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for
+from specjax.decoding.request import prompt_ids, timing_context
 from specjax.drafters.replay import tree_replay
-from specjax.planner import Call, auto_cost, drafts_with_a_model, shape_of, tree_with_its_drafting
-from specjax.request import prompt_ids, timing_context
+from specjax.planning.auto import auto_cost, tree_with_its_drafting
+from specjax.planning.planner import Call, drafts_with_a_model, shape_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny"

@@ -17,9 +17,9 @@ import statistics
 import numpy as np
 
 from specjax import generate
-from specjax.bench_ar import PRESETS
-from specjax.bench_spec import random_model
-from specjax.profile import time_verify_round
+from specjax.bench.ar import PRESETS
+from specjax.bench.spec import random_model
+from specjax.planning.profile import time_verify_round
 
 
 def main(argv=None) -> int:

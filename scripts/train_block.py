@@ -38,9 +38,10 @@ import jax
 import numpy as np
 
 import specjax
+from specjax.convert.export import export_dflash, export_dspark
 from specjax.drafters import confidence
-from specjax.export import export_dflash, export_dspark
 from specjax.train import block as tb
+from specjax.train import confidence as confidence_fit
 from specjax.train import corpus, data, trainer
 from specjax.train.runlog import RunLog
 from specjax.train.tiny import head_acceptance
@@ -175,12 +176,12 @@ def calibrate(args, target, pool, log) -> dict:
     drafter = specjax.load_drafter(args.out, target)
     n_train = len(pool["tokens"]) - args.val_rows
     fit_prompts = [row[: args.prompt_len].tolist() for row in pool["tokens"][n_train: n_train + args.calibration_prompts]]
-    calibrated, report = confidence.calibrate(target, drafter, fit_prompts, rounds=args.calibration_rounds)
-    path = confidence.save_calibration(report, args.run_dir)
+    calibrated, report = confidence_fit.calibrate(target, drafter, fit_prompts, rounds=args.calibration_rounds)
+    path = confidence_fit.save_calibration(report, args.run_dir)
     log(f"calibration: temperatures {[round(t, 3) for t in report.temperatures]}, mean ECE "
         f"{report.mean_ece_before:.4f} -> {report.mean_ece_after:.4f} on {report.rounds} rounds")
     held = [p["text"] for p in json.loads(args.manifest.read_text())["held_out_prompts"][: args.num_prompts]]
-    logits_MK, accepted_M = confidence.collect_rounds(target, drafter, held, rounds=args.calibration_rounds)
+    logits_MK, accepted_M = confidence_fit.collect_rounds(target, drafter, held, rounds=args.calibration_rounds)
     temps = np.asarray(report.temperatures[: logits_MK.shape[1]])
     before = confidence.per_position_ece(logits_MK, accepted_M, np.ones_like(temps))
     after = confidence.per_position_ece(logits_MK, accepted_M, temps)

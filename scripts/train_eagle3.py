@@ -34,11 +34,11 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import export as ex
-from specjax.train.runlog import RunLog
-from specjax.train.tiny import head_acceptance
+from specjax.convert import export as ex
 from specjax.train import corpus, data, tiny, trainer
 from specjax.train import eagle3 as ttt
+from specjax.train.runlog import RunLog
+from specjax.train.tiny import head_acceptance
 
 STAGES = ("data", "vocab", "train", "export")
 

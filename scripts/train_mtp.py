@@ -35,10 +35,10 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.train.runlog import RunLog
-from specjax.train.tiny import head_acceptance
 from specjax.train import corpus, data, trainer
 from specjax.train import mtp as tm
+from specjax.train.runlog import RunLog
+from specjax.train.tiny import head_acceptance
 
 STAGES = ("data", "train", "export")
 

@@ -26,11 +26,11 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer
 
-from specjax import checkpoint
+from specjax.convert import checkpoint
 from specjax.models.decoder import init_params
-from specjax.train.runlog import RunLog
 from specjax.train import corpus, data, losses, tiny, trainer
 from specjax.train.model import train_logits
+from specjax.train.runlog import RunLog
 from specjax.train.tokenizer import eot_id, train_tokenizer
 
 STAGES = ("tokenizer", "target", "draft", "export")
@@ -126,7 +126,7 @@ def draft_run_dir(args) -> Path:
 
 def generated_pool(args, streams, target_params, log) -> dict[str, np.ndarray]:
     """The target's greedy continuations of random train-split prompts (64 + seq_len-64 tokens), cached."""
-    from specjax.target import Target  # noqa: PLC0415
+    from specjax.models.target import Target  # noqa: PLC0415
 
     path = args.run_dir / "generated_pool.npz"
     if path.is_file():
@@ -147,7 +147,7 @@ def dir_bytes(path: Path) -> int:
 def continuation_agreement(target_params, draft_params, prompts_ids: list[list[int]], new_tokens: int
                            ) -> tuple[list[np.ndarray], list[list[int]]]:
     """The target's greedy continuation of each prompt, and the draft's teacher-forced top-1 agreement on it."""
-    from specjax.target import Target  # noqa: PLC0415
+    from specjax.models.target import Target  # noqa: PLC0415
 
     target_cfg, draft_cfg = tiny.model_config(tiny.TARGET_HF), tiny.model_config(tiny.DRAFT_HF)
     target = Target(jax.tree.map(jax.numpy.asarray, target_params), target_cfg, tiny.TARGET_HF, attn_impl="xla")

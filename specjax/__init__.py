@@ -1,11 +1,13 @@
 """specjax: speculative decoding for JAX/XLA."""
 
-from . import compile_cache
-from .config import ModelConfig, SamplingConfig
-from .drafters import NgramDrafter, load_drafter, replay_drafter
-from .generate import GenerateOutput, generate
-from .inspect import DraftInspection, inspect_draft
-from .target import Target, convert, load
+from specjax import compile_cache
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.inspect import DraftInspection, inspect_draft
+from specjax.drafters import NgramDrafter, replay_drafter
+from specjax.generate import GenerateOutput, generate
+from specjax.loading.drafter import load_drafter
+from specjax.loading.target import convert, load
+from specjax.models.target import Target
 
 # JAX's persistent compilation cache (see compile_cache.py). JAX opens the directory when it next
 # compiles, and importing specjax compiles nothing, so setting it here is early enough.

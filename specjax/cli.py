@@ -6,12 +6,11 @@ import argparse
 import json
 import sys
 
-
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}  # CLI spelling -> dtype name
 
 
 def _convert(args) -> int:
-    from .target import convert
+    from specjax.loading.target import convert
 
     dtype = DTYPES[args.dtype]
     dst = convert(args.src, args.dst, dtype=dtype, overwrite=args.overwrite)
@@ -20,7 +19,7 @@ def _convert(args) -> int:
 
 
 def _export(args) -> int:
-    from .export import export
+    from specjax.convert.export import export
 
     dst = export(args.src, args.dst, dtype=DTYPES[args.dtype], overwrite=args.overwrite, target=args.target)
     print(f"wrote {dst}")
@@ -28,12 +27,12 @@ def _export(args) -> int:
 
 
 def _generate(args) -> int:
-    from . import generate, load
+    from specjax import generate, load
 
     target = load(args.model, attn_impl=args.attn_impl)
     drafter = None
     if args.drafter:
-        from .drafters import load_drafter
+        from specjax.loading.drafter import load_drafter
 
         drafter = load_drafter(args.drafter, target)
     prompts = args.prompt if target.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
@@ -47,7 +46,7 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import EMBEDDED, run_demo
+    from specjax.demo import EMBEDDED, run_demo
 
     run_demo(args.target or EMBEDDED / "target", args.draft or EMBEDDED / "draft", max_new_tokens=args.max_new_tokens,
              num_draft_tokens=args.num_draft_tokens,
@@ -103,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target dtype (default: the checkpoint's, fp32); in bf16/fp16 the match rate is reported")
     p.set_defaults(fn=_demo)
 
-    from .advisor import add_plan_arguments, add_profile_arguments, plan_main, profile_main
+    from specjax.planning.advisor import add_plan_arguments, add_profile_arguments, plan_main, profile_main
 
     p = sub.add_parser("plan", help="best draft shape per concurrency (tree, chain K or off), predicted speedup")
     add_plan_arguments(p)
@@ -112,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(p)
     p.set_defaults(fn=profile_main)
 
-    from .bench_ar import add_arguments as add_ar, main as bench_ar
-    from .bench_spec import add_arguments as add_spec, main as bench_spec
+    from specjax.bench.ar import add_arguments as add_ar
+    from specjax.bench.ar import main as bench_ar
+    from specjax.bench.spec import add_arguments as add_spec
+    from specjax.bench.spec import main as bench_spec
 
     bench = sub.add_parser("bench", help="benchmarks (same as scripts/bench.py)").add_subparsers(dest="mode",
                                                                                              required=True)

@@ -15,12 +15,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .agreement import EXACT_DTYPES, check_agreement
-from .drafters import NgramDrafter, load_drafter
-from .generate import GenerateOutput, generate
-from .target import Target, load
+from specjax.bench.agreement import EXACT_DTYPES, check_agreement
+from specjax.drafters import NgramDrafter
+from specjax.generate import GenerateOutput, generate
+from specjax.loading.drafter import load_drafter
+from specjax.loading.embedded import EMBEDDED_DIR
+from specjax.loading.target import load
+from specjax.models.target import Target
 
-EMBEDDED = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"
+EMBEDDED = EMBEDDED_DIR
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "class Stack:\n    def __init__(self):\n        ",

@@ -6,15 +6,17 @@ below both loops in request.py; this module only decides which loop runs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
-from .config import SamplingConfig
-from .plain import plain_generate
-from .planner import auto_shape
-from .request import GenerateOutput, bucket
-from .speculative import speculative_generate
-from .target import Target
-from .tree import parse_tree
+from specjax.config import SamplingConfig
+from specjax.decoding.plain import plain_generate
+from specjax.decoding.request import GenerateOutput, bucket
+from specjax.decoding.speculative import speculative_generate
+from specjax.decoding.tree import parse_tree
+from specjax.models.target import Target
+from specjax.planning.auto import auto_shape
+from specjax.planning.scheduler_cost import scheduler_cost
 
 __all__ = ["GenerateOutput", "bucket", "generate"]
 
@@ -37,12 +39,15 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
     scheduler: "confidence" verifies, each round, only as much of each row's chain as pays off given the
       drafter's confidences (Draft.confidence, e.g. DSpark's) and the device's verify cost, at the best of a
-      few compiled widths (specjax/scheduler.py); "prefix" uses DSpark's Algorithm 1 verbatim. Chains only
+      few compiled widths (specjax/decoding/scheduler.py); "prefix" uses DSpark's Algorithm 1 verbatim. Chains only
       (num_draft_tokens=K). scheduler_profile: its cost curve: a Profile, a profile JSON path, "measure"
       (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
       roofline). out.stats["scheduler"] says which was used.
     """
     sampling = SamplingConfig(temperature, top_k, top_p).validate()
+    if scheduler is None and scheduler_profile is not None:
+        raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
+                         "too, or drop scheduler_profile=")
     if drafter is None and scheduler is not None:
         raise ValueError(f"scheduler={scheduler!r} decides how much of a draft to verify, but no drafter was given: "
                          f"pass drafter= (one that reports confidences), or drop scheduler=")
@@ -64,7 +69,7 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     spec = parse_tree(tree, num_draft_tokens)
     return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
                                 seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len,
-                                scheduler=scheduler, scheduler_profile=scheduler_profile)
+                                scheduler=scheduler, scheduler_cost=partial(scheduler_cost, target, scheduler_profile))
 
 
 def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specjax.agreement import Divergence, check_agreement, compare_tokens
+from specjax.bench.agreement import Divergence, check_agreement, compare_tokens
 
 
 def test_identical_outputs_agree_fully():

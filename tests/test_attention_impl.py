@@ -3,11 +3,10 @@ reference give identical greedy tokens through the plain and the speculative loo
 
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.drafters import DraftModelDrafter
-
-from hf_tiny import build_hf_model, save_hf_model
 
 
 @pytest.fixture(scope="module")

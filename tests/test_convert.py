@@ -19,13 +19,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
+from hf_tiny import FAMILIES, build_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import specjax
-from specjax import checkpoint
-
-from hf_tiny import FAMILIES, build_hf_model, save_hf_model
+from specjax.convert import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERT_SCRIPT = REPO / "scripts" / "convert_hf.py"

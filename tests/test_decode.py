@@ -14,13 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.decode import LoopConfig, ar_generate
-from specjax.target import Target
-
-from hf_tiny import build_hf_model, save_hf_model
+from specjax.decoding.decode import LoopConfig, ar_generate
+from specjax.models.target import Target
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)

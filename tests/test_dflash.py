@@ -21,20 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from test_lossless_sampling import NEW, PROMPT, ROWS, VOCAB, chi_square_passes, exact_distribution, tiny
 
 import specjax
 from specjax.config import ModelConfig, RopeConfig, SamplingConfig
 from specjax.convert.dflash import default_target_layer_ids, dflash_config, load_dflash
-from specjax.drafters import DFlashDrafter, load_drafter
-from specjax.drafters.base import PrefillContext, Settings
-from specjax.drafters.dflash import (BlockConfig, block_embeddings, block_hidden, dflash_drafter, drafter_params,
-                                     init_block_cache, init_params)
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
+from specjax.decoding.verify import Verdict
+from specjax.drafters import DFlashDrafter
+from specjax.drafters.dflash import (
+    BlockConfig,
+    block_embeddings,
+    block_hidden,
+    drafter_params,
+    init_block_cache,
+    init_params,
+)
+from specjax.loading.drafter import dflash_drafter, load_drafter
 from specjax.models.decoder import init_params as init_target_params
-from specjax.target import Target
-from specjax.tree import chain
-from specjax.verify import Verdict
-
-from test_lossless_sampling import NEW, PROMPT, ROWS, VOCAB, chi_square_passes, exact_distribution, tiny
+from specjax.models.target import Target
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash" / "basic"
 ATOL = 1e-5
@@ -313,7 +319,7 @@ def test_chain_too_long_or_tree_is_refused(target, drafter, prompts):
 
 def test_auto_plans_chains_no_longer_than_a_block(target, drafter, prompts, plain, monkeypatch):
     """num_draft_tokens="auto" never asks a block drafter for more drafts than one block gives."""
-    from specjax import planner
+    from specjax.planning import planner
 
     seen = {}
     real_plan = planner.plan

@@ -19,22 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_distribution, tiny
 
 import specjax
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.convert.dspark import CALIBRATION_FILE, load_dspark
-from specjax.drafters import DSparkDrafter, drafter_family, dspark_drafter
-from specjax.drafters import confidence, dspark
-from specjax.drafters.base import PrefillContext, Settings
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.sampling import sampling_logprobs
+from specjax.decoding.tree import chain
+from specjax.decoding.verify import Verdict
+from specjax.drafters import DSparkDrafter, confidence, dspark
 from specjax.drafters.dflash import BlockConfig, block_embeddings, block_hidden, vocab_logits
-from specjax.cache import init_cache
+from specjax.loading.drafter import drafter_family, dspark_drafter
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, init_params, lm_head
-from specjax.sampling import sampling_logprobs
-from specjax.target import Target
-from specjax.tree import chain
-from specjax.verify import Verdict
-
-from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_distribution, tiny
+from specjax.models.target import Target
+from specjax.train import confidence as confidence_fit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dspark"
 CASES = ("dspark", "rank0")
@@ -384,11 +384,11 @@ def test_sequential_temperature_scaling_recovers_a_known_scaling():
 def test_calibrate_end_to_end_and_saved_temperatures_are_loaded(bigram_pair, prompts, head_dir):
     """calibrate() runs greedy rounds, fits T and returns a drafter that applies them; the json round-trips."""
     target, drafter = bigram_pair
-    logits, accepted = confidence.collect_rounds(target, drafter, prompts, rounds=6, num_draft_tokens=4)
+    logits, accepted = confidence_fit.collect_rounds(target, drafter, prompts, rounds=6, num_draft_tokens=4)
     assert logits.shape == (18, 4) and accepted.shape == (18,) and accepted.max() <= 4
     first = specjax.inspect_draft(target, drafter, prompts[0], num_draft_tokens=4)
     close(1.0 / (1.0 + np.exp(-logits[0])), first.confidence, "round 1 of row 0 = inspect_draft's confidences")
-    calibrated, report = confidence.calibrate(target, drafter, prompts, rounds=6)
+    calibrated, report = confidence_fit.calibrate(target, drafter, prompts, rounds=6)
     assert len(report.temperatures) == 4 and report.rounds == 18
     assert report.mean_ece_after <= report.mean_ece_before
     np.testing.assert_allclose(calibrated.params["confidence_temperature"], report.temperatures)
@@ -398,7 +398,7 @@ def test_calibrate_end_to_end_and_saved_temperatures_are_loaded(bigram_pair, pro
     # Saved beside a checkpoint, the temperatures are read back by the loader.
     fixture = dict(temperatures=[1.5, 2.0, 0.5, 1.0, 3.0], ece_before=[0.1], ece_after=[0.01],
                    predicted_before=[0.5], predicted_after=[0.4], observed=[0.4], rounds=1)
-    confidence.save_calibration(confidence.CalibrationReport(**fixture), head_dir)
+    confidence_fit.save_calibration(confidence.CalibrationReport(**fixture), head_dir)
     _, _, heads = load_dspark(head_dir, fixture_target_config("dspark"), "float32")
     np.testing.assert_allclose(heads["confidence_temperature"], fixture["temperatures"])
     (head_dir / CALIBRATION_FILE).write_text(json.dumps({"temperatures": [1.0, 2.0]}))

@@ -8,17 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 from jax import lax
 
 import specjax
-from specjax.cache import init_cache
 from specjax.config import SamplingConfig
-from specjax.drafters import DraftModelDrafter, PrefillContext, Settings
-from specjax.dynamic_tree import build_tree
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.dynamic_tree import build_tree
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, kary, parse_tree, spec_arrays
+from specjax.drafters import DraftModelDrafter
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, has_layer_list, lm_head
-from specjax.tree import DynamicTreeSpec, TreeSpec, kary, parse_tree, spec_arrays
-
-from hf_tiny import build_hf_model, save_hf_model
 
 # ---------------------------------------------------------------------------------------------------------------
 # The reference: the original's algorithm for one row, written out in numpy from cnets.py.
@@ -437,10 +437,11 @@ def test_stacked_pallas_drafter_equals_the_per_layer_xla_drafter(target, prompts
 def test_speculative_loop_with_a_dynamic_tree_lowers_for_cuda(monkeypatch):
     import dataclasses
 
-    import specjax.kernels
-    from specjax.decode import LoopConfig
-    from specjax.speculative import spec_generate
     from test_gpu_path import TRITON_CALL, abstract_params, abstract_request, llama3_8b_shaped
+
+    import specjax.kernels
+    from specjax.decoding.decode import LoopConfig
+    from specjax.decoding.speculative import spec_generate
 
     monkeypatch.setattr(specjax.kernels, "on_gpu", lambda: True)
     cfg = llama3_8b_shaped(layers=2, dtype="bfloat16")

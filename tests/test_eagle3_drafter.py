@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.drafters.base import PrefillContext, Settings
-from specjax.drafters.eagle3 import Eagle3Drafter, eagle3_drafter
-from specjax.tree import chain
-from specjax.verify import Draft, Verdict
-
-from hf_tiny import build_hf_model, save_hf_model
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
+from specjax.decoding.verify import Draft, Verdict
+from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.loading.drafter import eagle3_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 MAX_NEW = 24

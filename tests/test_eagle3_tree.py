@@ -18,18 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import specjax
-from specjax.cache import KVCache
-from specjax.config import ModelConfig, SamplingConfig
-from specjax.convert.eagle3 import load_eagle3
-from specjax.drafters.base import PrefillContext, Settings
-from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, draft_logits, eagle3_drafter, init_params, midlayer
-from specjax.tree import DynamicTreeSpec, TreeSpec, child_ranks, from_choices, kary, parse_tree
-from specjax.verify import Verdict
-
 from hf_tiny import build_hf_model, save_hf_model
 from test_dynamic_tree import reference_tree
+
+import specjax
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.convert.eagle3 import load_eagle3
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, from_choices, kary, parse_tree
+from specjax.decoding.verify import Verdict
+from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, draft_logits, init_params, midlayer
+from specjax.loading.drafter import eagle3_drafter
+from specjax.models.cache import KVCache
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 CASES = ("rope_theta", "rope_default")

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import specjax
-
-from hf_tiny import build_hf_model, save_hf_model
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
@@ -248,7 +247,7 @@ def test_sliding_window_that_does_not_matter_is_accepted(mistral_window_target):
 def test_gpu_benchmark_preset_is_refused_off_gpu():
     import jax
 
-    from specjax.bench_ar import ArBenchConfig, run_ar
+    from specjax.bench.ar import ArBenchConfig, run_ar
 
     if jax.default_backend() == "gpu":
         pytest.skip("runs on a GPU here")
@@ -343,10 +342,10 @@ def test_cli_user_errors_are_one_line_for_every_subcommand(tmp_path, capsys):
 
 
 def test_cli_folds_multi_line_messages(monkeypatch, capsys):
-    import specjax.target
+    import specjax.models.target
 
     def convert(*args, **kwargs):
         raise ValueError("first line\nsecond line")
 
-    monkeypatch.setattr(specjax.target, "convert", convert)
+    monkeypatch.setattr(specjax.models.target, "convert", convert)
     _assert_one_line_error(*_cli(capsys, "convert", "a", "b"), "first line second line")

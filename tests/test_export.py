@@ -15,18 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_tiny import build_hf_model, save_hf_model
 from safetensors.numpy import load_file
+from test_mtp import add_mtp
 
 import specjax
-from specjax import export as ex
-from specjax.cache import init_cache
 from specjax.cli import main as cli_main
+from specjax.convert import export as ex
 from specjax.convert.eagle3 import load_eagle3
 from specjax.drafters import MtpDrafter
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, has_layer_list, lm_head
-
-from hf_tiny import build_hf_model, save_hf_model
-from test_mtp import add_mtp
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "checkpoints" / "tiny"

@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
-
-from hf_tiny import build_hf_model, save_hf_model
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)

@@ -15,18 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 import specjax.kernels
 from specjax.config import ModelConfig, RopeConfig, SamplingConfig
-from specjax.decode import LoopConfig, ar_generate
+from specjax.decoding.decode import LoopConfig, ar_generate
+from specjax.decoding.drafter import Settings
+from specjax.decoding.speculative import spec_generate
+from specjax.decoding.tree import chain, kary
 from specjax.drafters import DraftModelDrafter
-from specjax.drafters.base import Settings
 from specjax.models.decoder import has_layer_list, param_shapes
-from specjax.speculative import spec_generate
-from specjax.tree import chain, kary
-
-from hf_tiny import build_hf_model, save_hf_model
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.drafters import DraftModelDrafter
-
-from hf_tiny import build_hf_model, save_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import init_cache
 from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.sampling import sampling_logprobs
 from specjax.drafters import DraftModelDrafter
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, init_params, lm_head
-from specjax.sampling import sampling_logprobs
-from specjax.target import Target
+from specjax.models.target import Target
 
 VOCAB, PROMPT, NEW, ROWS = 6, [1, 2, 3], 3, 8192
 
@@ -94,7 +94,8 @@ def test_sampled_output_has_the_target_distribution(pair, name, tree, sampling):
 @pytest.fixture(scope="module")
 def eagle3_head(pair):
     """A random EAGLE-3 head on the 2-layer target: taps 0, 1, 2 and a reduced draft vocabulary of 5 of the 6 ids."""
-    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_params as eagle_init
+    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from specjax.drafters.eagle3 import init_params as eagle_init
 
     target, _ = pair
     cfg = Eagle3Config(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=VOCAB,

@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_tiny import FAMILIES, build_hf_model, save_hf_model
 
 import specjax
-from specjax.cache import init_cache
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, lm_head
-
-from hf_tiny import FAMILIES, build_hf_model, save_hf_model
 
 # fp32 everywhere; observed max |diff| is ~1e-5 on logits of magnitude ~10.
 LOGIT_ATOL = 2e-4
@@ -95,7 +94,7 @@ def test_legacy_config_fields_load_identically(family_pair, tmp_path):
 def test_param_and_cache_layouts_agree(family_pair):
     """Stacked params under scan (accelerators), per-layer params with a stacked cache, and per-layer
     params with per-layer cache buffers (CPU) give the same logits and the same cache contents."""
-    from specjax.cache import commit
+    from specjax.models.cache import commit
     from specjax.models.decoder import stacked_layers
 
     _, _, target = family_pair

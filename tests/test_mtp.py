@@ -18,17 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.drafters import DraftModelDrafter, MtpDrafter, mtp_drafter
-from specjax.drafters import mtp
-from specjax.drafters.base import PrefillContext, Settings
-from specjax.tree import chain
-from specjax.verify import Draft, Verdict
-
-from hf_tiny import build_hf_model, save_hf_model
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
+from specjax.decoding.verify import Draft, Verdict
+from specjax.drafters import DraftModelDrafter, MtpDrafter, mtp
+from specjax.loading.drafter import mtp_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
 CASES = ("deepseek2", "deepseek1", "qwen3_next")

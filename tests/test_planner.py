@@ -5,18 +5,25 @@ and generate(..., "auto")."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from specjax import planner
-from specjax import calibration
-from specjax.planner import (best_tree, best_trees, brute_force_best, chain_tau, expected_tau, plan, published_model,
-                             score, shape_of)
-from specjax.profile import DEVICES, CostModel, Profile, Roofline, RunTimes, interp, load_profile, save_profile
-from specjax.tree import TreeSpec, chain, child_ranks, kary
+from specjax.decoding.tree import TreeSpec, chain, child_ranks, kary
+from specjax.planning import calibration, planner
+from specjax.planning.planner import (
+    best_tree,
+    best_trees,
+    brute_force_best,
+    chain_tau,
+    expected_tau,
+    plan,
+    published_model,
+    score,
+    shape_of,
+)
+from specjax.planning.profile import DEVICES, CostModel, Profile, Roofline, RunTimes, interp, load_profile, save_profile
 
 P_VECTORS = [
     (0.8, 0.16, 0.032),  # geometric, alpha 0.8
@@ -164,7 +171,7 @@ def test_plan_cli_scores_one_call_with_tokens(capsys, tmp_path):
     predicted speedup matches planner.score with that Call, and a batch that waits for its slowest of 128
     rows gains less than refilled rows do."""
     from specjax.cli import main
-    from specjax.planner import Call
+    from specjax.planning.planner import Call
 
     server, one_call = tmp_path / "server.json", tmp_path / "call.json"
     base = ["plan", "--model-only", "--concurrency", "1,128", "--max-nodes", "64"]
@@ -187,10 +194,10 @@ def test_plan_cli_scores_one_call_with_tokens(capsys, tmp_path):
 def tiny_target(layers: int = 2):
     import jax
 
-    from specjax.bench_ar import PRESETS
+    from specjax.bench.ar import PRESETS
     from specjax.config import ModelConfig
     from specjax.models.decoder import init_params
-    from specjax.target import Target
+    from specjax.models.target import Target
 
     hf = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -201,7 +208,7 @@ def tiny_target(layers: int = 2):
 @pytest.fixture(scope="module")
 def tiny_profile():
     from specjax.drafters import DraftModelDrafter
-    from specjax.profile import profile
+    from specjax.planning.profile import profile
 
     target = tiny_target(2)
     draft = tiny_target(1)
@@ -254,7 +261,7 @@ def test_acceptance_from_stats_by_hand():
 @pytest.fixture(scope="module")
 def tiny_pair():
     import specjax
-    from specjax.bench_spec import DEFAULT_DRAFT, DEFAULT_TARGET, bench_prompts
+    from specjax.bench.spec import DEFAULT_DRAFT, DEFAULT_TARGET, bench_prompts
 
     target = specjax.load(DEFAULT_TARGET)
     return target, specjax.load_drafter(DEFAULT_DRAFT, target), bench_prompts(target, 2)
@@ -274,7 +281,7 @@ def test_calibration_on_the_embedded_pair_predicts_measured_tau(tiny_pair):
 
 
 def test_plan_cli_for_the_embedded_pair_writes_table_and_plot(tmp_path, capsys):
-    from specjax.bench_spec import DEFAULT_DRAFT
+    from specjax.bench.spec import DEFAULT_DRAFT
     from specjax.cli import main
 
     png = tmp_path / "plan.png"
@@ -340,7 +347,6 @@ def load_script():
 def test_tree_replay_accepts_as_the_positional_model_says():
     """Many rows, one shape: measured per-rank acceptance matches alpha (1 - alpha)^r."""
     import specjax
-
     from specjax.drafters.replay import tree_replay
 
     target = tiny_target(1)
@@ -357,7 +363,6 @@ def test_calibration_pools_seeds_for_a_stochastic_drafter_and_stops_for_a_determ
     """One short row is one draw of the drafter's luck: calibrate() pools seeds until min_tokens were emitted,
     and stops after the second run when it repeats the first (greedy draft model: nothing new to draw)."""
     import specjax
-
     from specjax.drafters.replay import tree_replay
 
     target, drafter, prompts = tiny_pair
@@ -487,7 +492,7 @@ def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, mo
     """cost_for_run with loop timings: plain steps cost what they measured; inside the timed chains' range a
     round costs what they took less their drafting, interpolated in nodes; past it the longest timed round
     plus what the modelled pass adds; no round costs less than a plain step."""
-    from specjax.profile import RunTimes, cost_for_run
+    from specjax.planning.profile import RunTimes, cost_for_run
 
     target, drafter, _ = tiny_pair
     verify = [{"batch": 2, "nodes": n, "cache_len": 64, "seconds": 0.001 * n, "all_seconds": []} for n in (1, 32)]
@@ -513,7 +518,7 @@ def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, mo
 def test_a_planned_tree_pays_its_own_drafting(monkeypatch):
     """A draft model's tree levels cost more than the chain of the same depth: the pick is rescored with the
     difference (timed on the tree itself), which can hand the win to the runner-up."""
-    from specjax import profile
+    from specjax.planning import profile
 
     times = {"tree": 0.005, "chain": 0.001}
     monkeypatch.setattr(profile, "time_propose", lambda target, drafter, batch, shape, cache_len, repeats=3: (

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.drafters import DraftModelDrafter, NgramDrafter, replay_drafter
-from specjax.target import format_count
-
-from hf_tiny import build_hf_model, save_hf_model
+from specjax.models.target import format_count
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)

@@ -1,4 +1,4 @@
-"""`specjax.sampling` against an independent numpy definition of temperature / top-k / top-p.
+"""`specjax.decoding.sampling` against an independent numpy definition of temperature / top-k / top-p.
 
 The reference follows Hugging Face's logits warpers (TemperatureLogitsWarper, then
 TopKLogitsWarper, then TopPLogitsWarper): top-k keeps every token whose logit is at least
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax.config import SamplingConfig
-from specjax.sampling import choose_token, sampling_logprobs
+from specjax.decoding.sampling import choose_token, sampling_logprobs
 
 
 def reference_probs(logits_V: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -76,8 +76,7 @@ def test_sampling_logprobs_match_numpy_reference(temperature, top_k, top_p):
 def _hf_probs(logits_XV: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Hugging Face's sampling distribution: generate()'s warpers, in generate()'s order."""
     import torch
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     scores = torch.from_numpy(logits_XV.astype(np.float32))
     warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []

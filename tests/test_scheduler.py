@@ -14,14 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
+from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_distribution, tiny
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.profile import CostModel
-from specjax.scheduler import cost_table, prefix_schedule, verify_widths, width_for, width_schedule
-
-from hf_tiny import build_hf_model, save_hf_model
-from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_distribution, tiny
+from specjax.decoding.scheduler import cost_table, prefix_schedule, verify_widths, width_for, width_schedule
+from specjax.planning.profile import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW = 40
@@ -176,7 +175,7 @@ def test_default_cost_says_where_it_came_from(target, prompts, plain, monkeypatc
 
 def test_measured_cost_times_each_width_once(target):
     """scheduler_profile="measure": verify rounds of this target timed at this batch and every width, cached."""
-    from specjax.scheduler import scheduler_cost
+    from specjax.planning.scheduler_cost import scheduler_cost
 
     cost = scheduler_cost(target, "measure", 2, (1, 2, 4), 64)
     assert cost.source.startswith("measured now at batch 2, widths [1, 2, 4]")

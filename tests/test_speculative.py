@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 from specjax.drafters import DraftModelDrafter
-
-from hf_tiny import build_hf_model, save_hf_model
 
 MAX_NEW = 40
 

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import specjax
-from specjax.cache import init_cache
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, lm_head
 
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"

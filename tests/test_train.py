@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.cache import init_cache
 from specjax.config import ModelConfig
+from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, init_params, lm_head
 from specjax.train import corpus, data, losses, tiny, trainer
 from specjax.train.model import train_forward
@@ -86,7 +86,7 @@ def test_distillation_gradients_flow_and_vanish_at_the_teacher():
 
 
 def test_continuation_batches_mask_only_generated_tokens():
-    from specjax.target import Target
+    from specjax.models.target import Target
 
     target = Target(init_params(MICRO, jax.random.key(5), scale=0.3), MICRO, {}, attn_impl="xla")
     prompts = data.prompt_windows(STREAM, 0, 0, 2, 5)

@@ -19,19 +19,18 @@ import pytest
 from safetensors.numpy import load_file
 
 import specjax
-from specjax.cache import KVCache
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import DFlashDrafter, DSparkDrafter
+from specjax.convert.export import export, export_dflash, export_dspark
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
+from specjax.drafters import DFlashDrafter, DSparkDrafter, dspark
 from specjax.drafters import dflash as dfl
-from specjax.drafters import dspark
-from specjax.drafters.base import PrefillContext, Settings
-from specjax.export import export, export_dflash, export_dspark
+from specjax.models.cache import KVCache
 from specjax.models.decoder import init_params, unstack_layers
-from specjax.target import Target
+from specjax.models.target import Target
 from specjax.train import block as tb
 from specjax.train import trainer
 from specjax.train.tiny import llama_hf_config
-from specjax.tree import chain
 
 S = 24
 ANCHORS = (3, 9, 14)

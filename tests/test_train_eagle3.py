@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.cache import KVCache, init_cache
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters.base import PrefillContext, Settings
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
 from specjax.drafters.eagle3 import Eagle3Drafter, draft_logits, fuse_features, init_head_cache, midlayer
+from specjax.models.cache import KVCache, init_cache
 from specjax.models.decoder import forward, init_params, unstack_layers
 from specjax.train import eagle3 as ttt
 from specjax.train import trainer
-from specjax.tree import chain
 
 S = 24
 TAPS = (1, 2, 3)

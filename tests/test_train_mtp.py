@@ -18,15 +18,14 @@ import pytest
 
 import specjax
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.drafters import MtpDrafter
-from specjax.drafters import mtp
-from specjax.drafters.base import PrefillContext, Settings
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import chain
+from specjax.drafters import MtpDrafter, mtp
 from specjax.models.decoder import init_params, unstack_layers
-from specjax.target import Target
+from specjax.models.target import Target
 from specjax.train import mtp as tm
 from specjax.train import trainer
 from specjax.train.tiny import llama_hf_config
-from specjax.tree import chain
 
 S = 20
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"

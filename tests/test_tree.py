@@ -4,8 +4,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.tree import (TreeSpec, ancestor_mask, chain, child_ranks, depths, from_choices, kary, parse_tree,
-                          spec_arrays)
+from specjax.decoding.tree import (
+    TreeSpec,
+    ancestor_mask,
+    chain,
+    child_ranks,
+    depths,
+    from_choices,
+    kary,
+    parse_tree,
+    spec_arrays,
+)
 
 
 def brute_force_mask(parents):

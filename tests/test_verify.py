@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import SamplingConfig
-from specjax.tree import ancestor_mask, chain, kary, spec_arrays
-from specjax.verify import Draft, verify_greedy, verify_sampled
+from specjax.decoding.tree import ancestor_mask, chain, kary, spec_arrays
+from specjax.decoding.verify import Draft, verify_greedy, verify_sampled
 
 V = 5
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
-from ..drafters.dflash import BlockConfig, param_shapes
-from .hf import _NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
+from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.drafters.dflash import BlockConfig, param_shapes
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -182,7 +182,7 @@ def block_params(tensors: dict[str, np.ndarray], cfg: BlockConfig) -> dict[str, 
 
     Every tensor is checked against config.json's shapes and accounted for.
     """
-    dtype = _NP_DTYPES[cfg.layers.dtype]
+    dtype = NP_DTYPES[cfg.layers.dtype]
     shapes = param_shapes(cfg)
     used: set[str] = set()
 

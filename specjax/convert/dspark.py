@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
-from ..drafters.dflash import BlockConfig
-from ..drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig
-from .dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, block_params, check_layer_fields
-from .hf import _NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
+from specjax.convert.dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, block_params, check_layer_fields
+from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.drafters.dflash import BlockConfig
+from specjax.drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"
 CALIBRATION_FILE = "confidence_calibration.json"
@@ -142,7 +142,7 @@ def head_params(tensors: dict[str, np.ndarray], cfg: DSparkConfig,
     tables: (embed [V, H], lm_head [H, V]) to use instead of the checkpoint's copies, for a directory
     that says its tables are the target's (TABLES_FROM_TARGET in config.json).
     """
-    dtype = _NP_DTYPES[cfg.block.layers.dtype]
+    dtype = NP_DTYPES[cfg.block.layers.dtype]
     h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
 
     def take(name: str, shape: tuple[int, ...], why: str) -> np.ndarray:

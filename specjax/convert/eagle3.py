@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig, RopeConfig
-from ..drafters.eagle3 import Eagle3Config, param_shapes
-from ..config import _DTYPE_NAMES
-from .hf import _NP_DTYPES, read_hf_config, read_safetensors
+from specjax.config import _DTYPE_NAMES, ModelConfig, RopeConfig
+from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_safetensors
+from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 
 # specjax layer key -> name inside `midlayer.` (all [out, in] matrices transposed)
 _LAYER_KEYS = {
@@ -177,7 +176,7 @@ def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, 
 
     Includes `embed` only when the checkpoint carries embed_tokens.weight.
     """
-    dtype = _NP_DTYPES[cfg.dtype]
+    dtype = NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
     used: set[str] = set()
 

@@ -28,25 +28,23 @@ drafter uses the target's array: DeepSeek-V3's checkpoint repeats both in its MT
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..models.decoder import param_shapes
+from specjax.config import ModelConfig
+from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.models.decoder import param_shapes
 
 _SHOWN = 8
 
 
 def _np_dtype(cfg: ModelConfig):
-    from .hf import _NP_DTYPES  # noqa: PLC0415 (hf imports this module)
-
-    return _NP_DTYPES[cfg.dtype]
+    return NP_DTYPES[cfg.dtype]
 
 
 def _layer_keys() -> dict:
-    from .hf import _LAYER_KEYS  # noqa: PLC0415 (hf imports this module)
-
-    return _LAYER_KEYS
+    return LAYER_KEYS
 
 
 def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -263,10 +261,6 @@ def read_mtp_only_dir(path, cfg: ModelConfig) -> dict:
 
     ValueError naming both sides when the directory was made for a target of another shape.
     """
-    from pathlib import Path  # noqa: PLC0415
-
-    from .hf import read_hf_config, read_tensors, safetensors_files  # noqa: PLC0415
-
     path = Path(path)
     hf = read_hf_config(path)
     mine = ModelConfig.from_hf(hf)

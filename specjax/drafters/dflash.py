@@ -59,13 +59,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..cache import KVCache, init_cache, write_layer
-from ..config import ModelConfig
-from ..models.decoder import (attn_out_and_mlp, cached_attention, has_layer_list, param_shapes as decoder_shapes,
-                              project_qkv, qkv, rms_norm, rope_inv_freq, run_layers, unstack_layers)
-from ..tree import spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, require_chain
+from specjax.config import ModelConfig
+from specjax.decoding.drafter import PrefillContext, Settings, require_chain
+from specjax.decoding.tree import spec_arrays
+from specjax.decoding.verify import Draft, Verdict
+from specjax.models.cache import KVCache, init_cache, write_layer
+from specjax.models.decoder import (
+    attn_out_and_mlp,
+    cached_attention,
+    has_layer_list,
+    project_qkv,
+    qkv,
+    rms_norm,
+    rope_inv_freq,
+    run_layers,
+    unstack_layers,
+)
+from specjax.models.decoder import param_shapes as decoder_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,17 +329,3 @@ class DFlashDrafter:
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
         return context_after_round(self.cfg, params, state, verdict, features)
-
-
-def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DFlashDrafter:
-    """A DFlashDrafter from a z-lab DFlash checkpoint directory, checked against `target`.
-
-    The drafter uses the target's embed and lm_head (the same arrays, not copies) and the
-    target's layer layout (per-layer on CPU, stacked elsewhere).
-    """
-    from ..convert.dflash import load_dflash  # noqa: PLC0415 (convert imports this module)
-
-    cfg, host = load_dflash(path, target.cfg, dtype or target.cfg.dtype)
-    block = jax.tree.map(jnp.asarray, host)
-    params = drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
-    return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)

@@ -20,15 +20,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..cache import KVCache, commit, init_cache
-from ..config import ModelConfig
-from ..dynamic_tree import build_tree
-from ..models.decoder import (attn_out_and_mlp, cached_attention, forward, has_layer_list, lm_head, qkv, rms_norm,
-                              rope_inv_freq, run_layers)
-from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, chain_nodes
+from specjax.config import ModelConfig
+from specjax.decoding.drafter import PrefillContext, Settings, chain_nodes
+from specjax.decoding.dynamic_tree import build_tree
+from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
+from specjax.decoding.verify import Draft, Verdict
+from specjax.models.cache import KVCache, commit, init_cache
+from specjax.models.decoder import (
+    attn_out_and_mlp,
+    cached_attention,
+    forward,
+    has_layer_list,
+    lm_head,
+    qkv,
+    rms_norm,
+    rope_inv_freq,
+    run_layers,
+)
+from specjax.models.target import model_summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +56,6 @@ class DraftModelDrafter:
 
     def __repr__(self) -> str:
         """One line of facts, not the weights."""
-        from ..target import model_summary  # noqa: PLC0415 (target.py is the model-loading side)
 
         return f"DraftModelDrafter({model_summary(self.cfg, self.attn_impl)})"
 

@@ -55,17 +55,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from ..cache import KVCache
-from ..models.decoder import has_layer_list, unstack_layers
-from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings
-from .dflash import (BlockConfig, block_embeddings, block_hidden, context_after_prefill, context_after_round,
-                     init_params as init_block_params, require_block_chain, vocab_logits)
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.tree import spec_arrays
+from specjax.decoding.verify import Draft, Verdict
+from specjax.drafters.dflash import (
+    BlockConfig,
+    block_embeddings,
+    block_hidden,
+    context_after_prefill,
+    context_after_round,
+    require_block_chain,
+    vocab_logits,
+)
+from specjax.drafters.dflash import init_params as init_block_params
+from specjax.models.cache import KVCache
+from specjax.models.decoder import unstack_layers
 
 MARKOV_HEAD_TYPES = ("vanilla",)
 
@@ -277,20 +284,3 @@ class DSparkDrafter:
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
         return context_after_round(self.cfg.block, params, state, verdict, features)
-
-
-def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DSparkDrafter:
-    """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
-
-    DSpark carries its own embedding and lm_head (frozen copies of the target's). A
-    `confidence_calibration.json` beside the weights (drafters/confidence.save_calibration) supplies
-    the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
-    """
-    from ..convert.dspark import load_dspark  # noqa: PLC0415 (convert imports this module)
-
-    embed = np.asarray(target.params["embed"])
-    lm_head = np.asarray(target.params["lm_head"]) if "lm_head" in target.params else embed.T
-    cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
-    params = drafter_params(jax.tree.map(jnp.asarray, block), jax.tree.map(jnp.asarray, heads),
-                            has_layer_list(target.params))
-    return DSparkDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)

@@ -33,14 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..cache import KVCache, init_cache
-from ..config import ModelConfig, RopeConfig
-from ..dynamic_tree import build_tree
-from ..models.decoder import attn_out_and_mlp, cached_attention, causal_mask, project_qkv, rms_norm, rope_inv_freq
-from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, accepted_tokens, chain_nodes
+from specjax.config import ModelConfig, RopeConfig
+from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes
+from specjax.decoding.dynamic_tree import build_tree
+from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
+from specjax.decoding.verify import Draft, Verdict
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.decoder import attn_out_and_mlp, cached_attention, causal_mask, project_qkv, rms_norm, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,16 +409,3 @@ class Eagle3Drafter:
         new_h_BD = jnp.take_along_axis(h_BND, last_B11, axis=1)[:, 0]
         last_h_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_h_BD, last_h_BD)
         return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_h_BD
-
-
-def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> Eagle3Drafter:
-    """An Eagle3Drafter from a SafeAILab / SpecForge head directory, checked against `target`.
-
-    Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy).
-    """
-    from ..convert.eagle3 import load_eagle3  # noqa: PLC0415 (convert imports this module)
-
-    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype)
-    params = jax.tree.map(jnp.asarray, host)
-    params.setdefault("embed", target.params["embed"])
-    return Eagle3Drafter(cfg, params, attn_impl=attn_impl or target.attn_impl)

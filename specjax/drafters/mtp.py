@@ -47,13 +47,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..cache import KVCache, init_cache
-from ..config import ModelConfig
-from ..models.decoder import attn_out_and_mlp, cached_attention, causal_mask, qkv, rms_norm, rope_inv_freq
-from ..sampling import sample_rows, sampling_logprobs, split_rows
-from ..tree import spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
+from specjax.config import ModelConfig
+from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
+from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.tree import spec_arrays
+from specjax.decoding.verify import Draft, Verdict
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.decoder import attn_out_and_mlp, cached_attention, causal_mask, qkv, rms_norm, rope_inv_freq
 
 LAYOUTS = ("deepseek", "qwen3_next")
 
@@ -286,23 +286,3 @@ class MtpDrafter:
 
 def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
     return MtpConfig(layout=stored_layout(stored), num_layers=stored_num_layers(stored), target=target_cfg)
-
-
-def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = None) -> MtpDrafter:
-    """The MtpDrafter of a target loaded with MTP tensors (`Target.mtp`); ValueError when it has none.
-
-    `stored`: MTP layers read from another copy of the same model (cast to the target's dtype).
-    """
-    stored = stored if stored is not None else getattr(target, "mtp", None)
-    if stored is None:
-        where = f" ({target.path})" if getattr(target, "path", None) is not None else ""
-        raise ValueError(f"the target{where} has no MTP layers: its checkpoint carries no multi-token-prediction "
-                         "tensors (model.layers.{num_hidden_layers}.eh_proj... or mtp.fc...), so there is no MTP "
-                         "drafter; use a draft model, an EAGLE-3 head or NgramDrafter instead")
-    from ..convert.mtp import check_stored  # noqa: PLC0415 (convert imports this module)
-
-    check_stored(stored, target.cfg)
-    stored = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.dtype), stored)
-    cfg = mtp_config(target.cfg, stored)
-    return MtpDrafter(cfg, drafter_params(stored, target.params, target.cfg),
-                      attn_impl=attn_impl or target.attn_impl)

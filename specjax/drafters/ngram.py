@@ -13,9 +13,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ..verify import Draft, Verdict
-from ..tree import spec_arrays
-from .base import PrefillContext, Settings, require_chain
+from specjax.decoding.drafter import PrefillContext, Settings, require_chain
+from specjax.decoding.tree import spec_arrays
+from specjax.decoding.verify import Draft, Verdict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..request import bucket
-from ..sampling import split_rows, uniform_rows
-from ..tree import child_ranks, spec_arrays
-from ..verify import Draft, Verdict
-from .base import PrefillContext, Settings, require_chain
+from specjax.decoding.drafter import PrefillContext, Settings, require_chain
+from specjax.decoding.request import bucket
+from specjax.decoding.sampling import split_rows, uniform_rows
+from specjax.decoding.tree import child_ranks, spec_arrays
+from specjax.decoding.verify import Draft, Verdict
 
 
 def reference_table(continuations: Sequence[Sequence[int]]) -> np.ndarray:

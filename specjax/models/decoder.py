@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.config import ModelConfig, RopeConfig
 from specjax.kernels import attention
-
-from ..cache import KVCache, write_layer
-from ..config import ModelConfig, RopeConfig
+from specjax.models.cache import KVCache, write_layer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -9,8 +9,8 @@ trainer    AdamW + warm-up/cosine, a jitted step around any loss hook, resumable
 tiny       configs and acceptance helpers of checkpoints/tiny (scripts/train_tiny.py)
 """
 
-from .losses import distill_loss, lm_loss
-from .model import train_forward, train_logits
-from .trainer import TrainConfig, evaluate, train
+from specjax.train.losses import distill_loss, lm_loss
+from specjax.train.model import train_forward, train_logits
+from specjax.train.trainer import TrainConfig, evaluate, train
 
 __all__ = ["TrainConfig", "distill_loss", "evaluate", "lm_loss", "train", "train_forward", "train_logits"]

@@ -64,14 +64,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..cache import init_cache
-from ..config import ModelConfig, RopeConfig
-from ..drafters import dspark
-from ..drafters.dflash import BlockConfig, context_features, param_shapes, vocab_logits
-from ..models.decoder import (attn_out_and_mlp, forward, has_layer_list, lm_head, project_qkv, qkv, rms_norm,
-                              rope_inv_freq)
-from .losses import LossFn
-from .model import NEG_INF
+from specjax.config import ModelConfig, RopeConfig
+from specjax.drafters import dspark
+from specjax.drafters.dflash import BlockConfig, context_features, param_shapes, vocab_logits
+from specjax.models.cache import init_cache
+from specjax.models.decoder import (
+    attn_out_and_mlp,
+    forward,
+    has_layer_list,
+    lm_head,
+    project_qkv,
+    qkv,
+    rms_norm,
+    rope_inv_freq,
+)
+from specjax.train.losses import LossFn
+from specjax.train.model import NEG_INF
 
 FAMILIES = ("dflash", "dspark")
 OBJECTIVES = ("soft", "hard")

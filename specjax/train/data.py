@@ -58,7 +58,7 @@ def continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int)
     with the last token when a row stops at EOS) and mask [B, P+max_new_tokens-1] selecting the labels
     that are the target's generated tokens. Prompts must all have the same length P.
     """
-    from ..generate import generate  # noqa: PLC0415 (keeps data loading free of the decode stack)
+    from specjax.generate import generate  # noqa: PLC0415 (keeps data loading free of the decode stack)
 
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:

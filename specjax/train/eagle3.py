@@ -42,12 +42,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache import init_cache
-from ..config import ModelConfig, RopeConfig
-from ..drafters.eagle3 import Eagle3Config, concat_features, draft_logits, fuse_features, midlayer_out, midlayer_qkv
-from ..models.decoder import forward, has_layer_list, lm_head
-from .losses import LossFn
-from .model import NEG_INF
+from specjax.config import ModelConfig, RopeConfig
+from specjax.drafters.eagle3 import (
+    Eagle3Config,
+    concat_features,
+    draft_logits,
+    fuse_features,
+    midlayer_out,
+    midlayer_qkv,
+    param_shapes,
+)
+from specjax.models.cache import init_cache
+from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.train.losses import LossFn
+from specjax.train.model import NEG_INF
 
 TTT_STEPS = 7  # the original's `self.length`
 STEP_DECAY = 0.8  # loss weight of step j: 0.8 ** j (traineagle3/main.py)
@@ -87,7 +95,6 @@ def draft_vocab_from_counts(counts_V: np.ndarray, draft_vocab_size: int) -> tupl
 
 def init_head(cfg: Eagle3Config, key: jax.Array, scale: float = 0.02) -> dict:
     """Trainable head params (no `embed`, no `d2t`): normal(0, scale) matrices, unit norms."""
-    from ..drafters.eagle3 import param_shapes  # noqa: PLC0415
 
     shapes = param_shapes(cfg)
     flat = [("layer", k, s) for k, s in shapes["layer"].items()] + [

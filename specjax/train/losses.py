@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..config import ModelConfig
-from .model import train_logits
+from specjax.config import ModelConfig
+from specjax.train.model import train_logits
 
 LossFn = Callable[[dict, dict, object], tuple[jax.Array, dict]]
 

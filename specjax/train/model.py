@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..config import ModelConfig
-from ..models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq, stacked_layers
+from specjax.config import ModelConfig
+from specjax.models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq, stacked_layers
 
 NEG_INF = -1e30
 

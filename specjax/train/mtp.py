@@ -53,12 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache import init_cache
-from ..config import ModelConfig
-from ..drafters import mtp
-from ..models.decoder import attn_out_and_mlp, forward, has_layer_list, init_params, lm_head, qkv, rope_inv_freq
-from .eagle3 import sequence_batch, shift_left, ttt_attention
-from .losses import LossFn
+from specjax.config import ModelConfig
+from specjax.convert.export import NP_DTYPES, write_hf_dir
+from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
+from specjax.drafters import mtp
+from specjax.models.cache import init_cache
+from specjax.models.decoder import attn_out_and_mlp, forward, has_layer_list, init_params, lm_head, qkv, rope_inv_freq
+from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
+from specjax.train.losses import LossFn
 
 OBJECTIVES = ("soft", "hard")
 
@@ -199,9 +201,6 @@ def write_head(dst, target_hf: dict, layer: dict, *, target_ref: str, dtype: str
 
     `specjax.load_drafter(dst, target)` loads it as an MtpDrafter.
     """
-    from ..convert.mtp import mtp_hf_tensors, mtp_only_config  # noqa: PLC0415
-    from ..export import NP_DTYPES, write_hf_dir  # noqa: PLC0415
-
     if dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
     host = stored(jax.tree.map(np.asarray, layer))

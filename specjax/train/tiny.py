@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
+from specjax.config import ModelConfig
+from specjax.generate import generate
+from specjax.loading.drafter import load_drafter
 
 EOT_ID = 0  # <|endoftext|>: BOS and EOS (tokenizer.py puts it at id 0)
 
@@ -85,13 +87,11 @@ def head_acceptance(target, head_dir, prompts: list[str], chains: list[int], max
     Every speculative output is checked equal to plain greedy decoding (a RuntimeError otherwise).
     Returns {"chain_K": record} with tau, per-position acceptance, drafter passes per token and the call.
     """
-    import specjax  # noqa: PLC0415 (train/ sits above the API)
-
-    drafter = specjax.load_drafter(head_dir, target)
-    plain = specjax.generate(target, prompts, max_new_tokens=max_new_tokens)
+    drafter = load_drafter(head_dir, target)
+    plain = generate(target, prompts, max_new_tokens=max_new_tokens)
     records = {}
     for k in chains:
-        out = specjax.generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter, num_draft_tokens=k)
+        out = generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter, num_draft_tokens=k)
         if out.tokens != plain.tokens:
             raise RuntimeError(f"speculative output with {head_dir} (chain of {k}) differs from plain greedy decoding")
         per_pos = [float(x) for x in out.stats["per_position_acceptance"]]
@@ -101,6 +101,6 @@ def head_acceptance(target, head_dir, prompts: list[str], chains: list[int], max
             "max_per_position_acceptance": max(per_pos), "num_draft_tokens": k, "max_new_tokens": max_new_tokens,
             "drafter_calls_per_token": float(out.stats["drafter_calls_per_token"]),
             "rounds": int(out.stats["rounds"]), "outputs_equal_plain_greedy": True,
-            "measured_with": f"specjax.generate(target, held_out_prompts, max_new_tokens={max_new_tokens}, "
+            "measured_with": f"generate(target, held_out_prompts, max_new_tokens={max_new_tokens}, "
                              f"drafter=load_drafter('{head_dir}', target), num_draft_tokens={k})"}
     return records

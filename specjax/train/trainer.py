@@ -23,7 +23,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from .losses import LossFn
+from specjax.train.losses import LossFn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingConfig
-from .decode import LoopConfig
-from .target import Target
+from specjax.config import SamplingConfig
+from specjax.decoding.decode import LoopConfig
+from specjax.models.target import Target
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
 MAX_SEED = 2**32 - 1

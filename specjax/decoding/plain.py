@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .config import SamplingConfig
-from .decode import ar_generate
-from .request import GenerateOutput, finish, prepare, run_compiled
-from .target import Target
+from specjax.config import SamplingConfig
+from specjax.decoding.decode import ar_generate
+from specjax.decoding.request import GenerateOutput, finish, prepare, run_compiled
+from specjax.models.target import Target
 
 
 def plain_generate(target: Target, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingConfig, seed,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .config import SamplingConfig
+from specjax.config import SamplingConfig
 
 
 def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig) -> jax.Array:

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from ..config import SamplingConfig
-from ..tree import DynamicTreeSpec, TreeSpec
-from ..verify import Draft, Verdict
+from specjax.config import SamplingConfig
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec
+from specjax.decoding.verify import Draft, Verdict
 
 
 @jax.tree_util.register_dataclass

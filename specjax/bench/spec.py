@@ -36,17 +36,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
-from .agreement import check_agreement
-from .bench_ar import GPU_PRESETS, PRESETS, machine_info, random_prompts
-from .config import ModelConfig
-from .drafters import DraftModelDrafter, NgramDrafter, load_drafter, replay_drafter
-from .generate import generate
-from .models.decoder import init_params
-from .target import Target, load
+from specjax.bench.agreement import check_agreement
+from specjax.bench.ar import GPU_PRESETS, PRESETS, machine_info, random_prompts
+from specjax.config import ModelConfig
+from specjax.drafters import DraftModelDrafter, NgramDrafter, replay_drafter
+from specjax.generate import generate
+from specjax.loading.drafter import load_drafter
+from specjax.loading.embedded import EMBEDDED_DIR
+from specjax.loading.prompts import bench_prompts
+from specjax.loading.target import load
+from specjax.models.decoder import init_params
+from specjax.models.target import Target
 
-DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny" / "target"
+DEFAULT_TARGET = EMBEDDED_DIR / "target"
 DEFAULT_DRAFT = DEFAULT_TARGET.parent / "draft"
 
 # Draft models for the random presets: same vocabulary as the target, far fewer parameters.
@@ -76,17 +79,6 @@ class BenchRun:
         """Warm-up + median of `repeats` calls of generate() on these prompts."""
         return timed(lambda: generate(self.target, prompts, max_new_tokens=self.max_new, **self.gen_kwargs,
                                       **kwargs), self.repeats)
-
-
-def bench_prompts(target: Target, n: int, seed: int = 0) -> list:
-    """Held-out prompts from the embedded checkpoint's manifest when present, else random ids."""
-    manifest = Path(target.path or "").parent / "manifest.json"
-    if manifest.is_file() and target.tokenizer is not None:
-        texts = [p["text"] for p in json.loads(manifest.read_text()).get("held_out_prompts") or []]
-        if texts:
-            return [texts[i % len(texts)] for i in range(n)]
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, target.cfg.vocab_size, size=32).tolist() for _ in range(n)]
 
 
 def timed(run: Callable[[], Any], repeats: int) -> dict[str, Any]:

@@ -21,10 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .generate import generate
-from .planner import best_trees, score, shape_of
-from .tree import chain
-
+from specjax.decoding.tree import chain
+from specjax.generate import generate
+from specjax.planning.planner import best_trees, score, shape_of
 
 # ---------------------------------------------------------------- the measurement
 

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .config import ModelConfig
+from specjax.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass

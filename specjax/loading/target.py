@@ -1,4 +1,4 @@
-"""A loaded target model: params on the device, its config, tokenizer, and compiled loops.
+"""Loading a target: a converted specjax checkpoint or a Hugging Face directory, and conversion between them.
 
 EOS ids follow transformers' `generate`: when the directory has a `generation_config.json`
 with an `eos_token_id` (Llama 3 and Qwen2.5 Instruct list their end-of-turn ids there), those
@@ -11,62 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from tokenizers import Tokenizer
 
-from . import checkpoint
-from .config import ModelConfig
-from .convert.hf import load_hf
-from .models.decoder import stacked_layers, unstack_layers
-
-
-@dataclasses.dataclass(eq=False)
-class Target:
-    params: dict
-    cfg: ModelConfig
-    hf_config: dict
-    tokenizer: Tokenizer | None = None
-    path: Path | None = None
-    attn_impl: str = "auto"
-    compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)  # loop key -> compiled executable
-    layout: str = "auto"  # "auto" | "stacked" | "per_layer": see serving_layout
-    mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
-
-    def __post_init__(self):
-        self.params = serving_layout(self.params, self.layout)
-
-    def encode(self, text: str) -> list[int]:
-        return self._need_tokenizer().encode(text).ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _need_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.path or 'this model'} has no tokenizer.json; pass token-id lists, not strings")
-        return self.tokenizer
-
-    def __repr__(self) -> str:
-        """One line of facts (not the weights and tokenizer the dataclass repr would dump)."""
-        path = f", path='{self.path}'" if self.path is not None else ""
-        return f"Target({model_summary(self.cfg, self.attn_impl)}{path})"
-
-
-def model_summary(cfg: ModelConfig, attn_impl: str) -> str:
-    """'family=llama, params=3.95M, dtype=float32, vocab=256, layers=3, attn_impl=auto': for one-line reprs."""
-    return (f"family={cfg.family}, params={format_count(cfg.num_params())}, dtype={cfg.dtype}, "
-            f"vocab={cfg.vocab_size}, layers={cfg.num_layers}, attn_impl={attn_impl}")
-
-
-def format_count(n: int) -> str:
-    """A parameter count to three significant digits with a K/M/B/T suffix: 3949056 -> '3.95M'."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale * 0.9995:  # 999,600 rounds up to '1M', not '1e+03K'
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
+from specjax.config import ModelConfig
+from specjax.convert import checkpoint
+from specjax.convert.hf import load_hf
+from specjax.models.target import Target
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -125,23 +78,6 @@ def generation_eos_ids(file: Path) -> tuple[int, ...] | None:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{file}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
     return tuple(ids)
-
-
-LAYOUTS = ("auto", "stacked", "per_layer")
-
-
-def serving_layout(params: dict, layout: str = "auto") -> dict:
-    """The layer layout the loops run: per-layer arrays and KV buffers, or stacked layers under `lax.scan`.
-
-    "auto": per-layer on CPU (XLA CPU copies a layer out of a stacked array: 3x the memory
-    traffic), stacked elsewhere (the accelerator path: scan, one stacked cache, the kernel
-    indexing the layer). "stacked" on CPU runs the GPU graph, for tests and lowering.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "auto":
-        layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"
-    return unstack_layers(params) if layout == "per_layer" else {**params, "layers": stacked_layers(params)}
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:

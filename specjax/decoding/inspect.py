@@ -15,16 +15,16 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from .cache import init_cache
-from .config import SamplingConfig
-from .decode import LoopConfig, prefill
-from .drafters.base import Drafter, PrefillContext, Settings
-from .models.decoder import has_layer_list
-from .request import prepare, run_compiled
-from .sampling import choose_token, row_keys, split_rows
-from .speculative import check_drafter_fits
-from .target import Target
-from .tree import parse_tree
+from specjax.config import SamplingConfig
+from specjax.decoding.decode import LoopConfig, prefill
+from specjax.decoding.drafter import Drafter, PrefillContext, Settings
+from specjax.decoding.request import prepare, run_compiled
+from specjax.decoding.sampling import choose_token, row_keys, split_rows
+from specjax.decoding.speculative import check_drafter_fits
+from specjax.decoding.tree import parse_tree
+from specjax.models.cache import init_cache
+from specjax.models.decoder import has_layer_list
+from specjax.models.target import Target
 
 
 @dataclasses.dataclass

@@ -23,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .tree import TreeSpec, chain, child_ranks, from_choices, kary
+from specjax.config import SamplingConfig
+from specjax.decoding.drafter import Settings
+from specjax.decoding.tree import TreeSpec, chain, child_ranks, from_choices, kary
+from specjax.planning.profile import LLAMA3_8B_PARAMS, CostModel, Roofline, device_spec, relative_draft
 
 NEG = -np.inf
 
@@ -425,17 +427,11 @@ def format_plan(choices: Sequence[Choice]) -> str:
 def drafts_with_a_model(drafter, spec: TreeSpec) -> bool:
     """Whether drafting `spec` runs a model (calls per round > 0): a draft model runs every level's whole
     frontier, so a tree's drafting costs more than the chain of its depth that draft_s(batch, depth) times."""
-    from .config import SamplingConfig
-    from .drafters.base import Settings
-
     return drafter.configure(Settings(spec, SamplingConfig(), 256, 16)).calls_per_round() > 0
 
 
 def drafter_takes_trees(drafter, target) -> bool:
     """Whether the drafter proposes trees (chain-only drafters refuse a tree in configure)."""
-    from .config import SamplingConfig
-    from .drafters.base import Settings
-
     try:
         drafter.configure(Settings(kary([2, 1]), SamplingConfig(), 256, 16))
     except ValueError:
@@ -466,141 +462,8 @@ def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"
     """(p, CostModel) of the published load model: an 8B bf16 target on `device` by roofline (no KV
     term: knee ~295 tokens/pass on an H100), a drafter right with probability alpha, drafting costing
     `cost` x one target step (at the same batch) per drafted level."""
-    from .profile import LLAMA3_8B_PARAMS, CostModel, Roofline, device_spec, relative_draft
-
     roof = Roofline(device_spec(device), LLAMA3_8B_PARAMS, 2 * LLAMA3_8B_PARAMS)
     cm = CostModel(roof.verify_s, relative_draft(roof.verify_s, cost),
                    f"published model: 8B bf16 on {roof.device.name} by roofline (knee {roof.knee:.0f} tokens/pass), "
                    f"drafter right w.p. {alpha:g}, draft {cost:g} x target step per level")
     return geometric_acceptance(alpha), cm
-
-
-# ---------------------------------------------------------------- generate(..., "auto")
-
-CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
-CALIBRATION_CHAIN = 4
-CALIBRATION_TOKENS = 64  # a row's last round is cut by its budget: short runs bias acceptance low
-CALIBRATION_MIN_TOKENS = 256  # small batches calibrate over more seeds until this many tokens were emitted
-# Chains timed inside the loop next to plain decoding (profile.in_loop). Every chain up to 4, the shapes
-# loaded batches pick: at batch 16 on this CPU a chain of 3 (64 tokens per pass) measured 1.38-1.47x in
-# three runs against 1.30-1.33x for chains of 2 and 4, a dip no interpolation between them can see.
-TIMED_CHAINS = (1, 2, 3, 4, 8)
-# "auto" speculates only when the prediction beats plain decoding by this much, or by twice the relative
-# standard error of the loop timings behind it (plain steps, and the timed chain nearest the shape in nodes)
-# when that is larger: at batch 1 a round takes a fraction of a millisecond and the timings move by several
-# percent. A near-tie is not worth running slower.
-AUTO_MIN_GAIN = 0.02
-_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: AutoMeasurements}
-
-
-@dataclasses.dataclass
-class AutoMeasurements:
-    """What "auto" measured for one (drafter, batch bucket, trees, sampling), and the plans made from it per
-    token budget (the budget changes the plan, through the prefill's share and the slowest row, but not
-    what was measured)."""
-
-    params: Any  # the drafter params measured with: other params are another drafter
-    p_rank: tuple[float, ...]
-    calibration: dict[str, Any]
-    cost: Any  # profile.CostModel
-    prefill_s: float
-    times: Any  # profile.RunTimes: the loop timings, whose noise sets the margin
-    plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
-
-
-def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_token_id,
-               max_new_tokens: int) -> tuple[TreeSpec | None, dict[str, Any]]:
-    """The draft shape for this call: planned from measurements cached per (target, drafter, batch bucket),
-    made now when there are none.
-
-    Measuring: a short calibration run on these prompts for acceptance (a 4,2,1,1 tree, or a chain of 4
-    when trees=False or the drafter proposes chains only; repeated over seeds until CALIBRATION_MIN_TOKENS
-    tokens, for a stochastic drafter or sampling at small batches); chains of TIMED_CHAINS timed next to plain
-    decoding on the same prompts; pass costs from `profile.cost_for_run` (measured here, or
-    $SPECJAX_PROFILE), corrected to the rounds timed in the loop. Planning: `plan` at this batch bucket
-    for this call (its prefill, and its slowest row after max_new_tokens). Returns (None for "off", or the
-    TreeSpec) and the record that goes into out.stats["plan"].
-    """
-    global _AUTO_PLANS
-    from .request import bucket, prompt_ids, timing_context
-
-    if _AUTO_PLANS is None:
-        _AUTO_PLANS = weakref.WeakKeyDictionary()
-    ids = prompt_ids(target, prompts)
-    batch = bucket(len(ids), minimum=1)
-    trees = trees and drafter_takes_trees(drafter, target)
-    # Block drafters (DFlash, DSpark) draft at most one block per round: chains never longer than that.
-    max_chain = min(16, getattr(drafter, "max_draft_tokens", 16))
-    key = (drafter, batch, trees, sampling)
-    cached = _AUTO_PLANS.setdefault(target, {})
-    measured = cached.get(key)
-    context = timing_context(ids, max_new_tokens)
-    if measured is None or measured.params is not drafter.params:
-        run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
-               "eos_token_id": eos_token_id}
-        measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run)
-    if max_new_tokens in measured.plans:
-        spec, info = measured.plans[max_new_tokens]
-        return spec, {**info, "cached": True}
-    call = Call(max_new_tokens, lambda b: measured.prefill_s)
-    choice = plan(measured.p_rank, [batch], measured.cost.verify_s, measured.cost.draft_s, max_nodes=64,
-                  max_depth=12, tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s, call=call)[0]
-    best = choice.best
-    if best.shape.kind == "tree" and drafts_with_a_model(drafter, best.shape.spec):
-        best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
-                    choice.runner_up], key=lambda c: -1.0 if c is None else c.speedup)
-    chosen = best.shape
-    margin = max(AUTO_MIN_GAIN, 2 * measured.times.noise_at(best.shape.nodes))
-    if best.speedup < 1 + margin:  # within the timings' error of plain decoding: run plain
-        chosen = Shape("off", None, 1.0)
-    info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch, "tokens": max_new_tokens,
-            "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
-            "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
-            "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
-            "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
-            "margin": margin,
-            "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
-            "cached": False}
-    measured.plans[max_new_tokens] = (chosen.spec, info)
-    return chosen.spec, info
-
-
-def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_chain: int, context: int,
-                      run: dict[str, Any]) -> AutoMeasurements:
-    """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop."""
-    from .calibration import calibrate, run_times
-    from .profile import cost_for_run
-
-    spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
-    cal = calibrate(target, drafter, prompts, spec, min_tokens=CALIBRATION_MIN_TOKENS, **run)
-    # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
-    times = run_times(target, drafter, prompts, sorted({min(k, max_chain) for k in TIMED_CHAINS}), **run)
-    return AutoMeasurements(drafter.params, tuple(cal.p_rank),
-                            {"calibration_shape": spec.num_nodes, "calibration_rounds": cal.rounds,
-                             "calibration_tau_measured": cal.measured_tau,
-                             "calibration_tau_predicted": cal.predicted_tau},
-                            cost_for_run(target, drafter, batch, context, times), times.prefill_s, times)
-
-
-def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,
-                           call: Call | None = None) -> Scored:
-    """Rescore a planned tree with its own drafting time: a draft model runs every level's whole frontier, so a
-    tree's propose costs more than the chain of the same depth that the cost model's draft_s measured."""
-    from .profile import time_propose
-
-    spec = tree.shape.spec
-    tree_s, _ = time_propose(target, drafter, batch, spec, cache_len, repeats=3)
-    chain_s, _ = time_propose(target, drafter, batch, spec.max_depth, cache_len, repeats=3)
-    extra = max(0.0, tree_s - chain_s)
-    return score(tree.shape, batch, cost.verify_s, lambda b, d: cost.draft_s(b, d) + extra, cost.plain_s, call)
-
-
-def auto_cost(target, drafter, batch: int):
-    """The cost model (profile.CostModel) the last "auto" plan for (target, drafter, batch bucket) used, or None.
-
-    For benchmarks that put the planner's predictions for every shape next to measurements.
-    """
-    for (d, b, _, _), measured in ((_AUTO_PLANS or {}).get(target) or {}).items():
-        if d == drafter and b == batch and measured.params is drafter.params:
-            return measured.cost
-    return None

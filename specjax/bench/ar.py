@@ -32,10 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .generate import generate
-from .models.decoder import init_params
-from .target import Target
+from specjax.config import ModelConfig
+from specjax.convert.hf import hf_to_params
+from specjax.generate import generate
+from specjax.models.decoder import init_params
+from specjax.models.target import Target
 
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
                    rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -151,7 +152,6 @@ def build_hf_llama(hf_config: dict[str, Any], seed: int):
 
 def target_from_hf_model(model, hf_config: dict[str, Any]) -> Target:
     """The same weights as a specjax Target, through the converter's name/shape mapping."""
-    from .convert.hf import hf_to_params  # noqa: PLC0415
 
     cfg = ModelConfig.from_hf(hf_config, dtype="float32")
     tensors = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}

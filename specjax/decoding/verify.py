@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .config import SamplingConfig
-from .sampling import sample_rows, sampling_logprobs, split_rows, uniform_rows
+from specjax.config import SamplingConfig
+from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows, uniform_rows
 
 
 @jax.tree_util.register_dataclass

@@ -212,7 +212,7 @@ def parse_tree(spec: str | TreeSpec | DynamicTreeSpec | Sequence | None,
         if not m:
             raise ValueError(f"unknown tree spec {spec!r}; use 'chain:K', 'kary:B1,B2,...', "
                              "'dynamic:top_k=K,depth=D,total_tokens=T', a list of choice paths"
-                             " or a specjax.tree.TreeSpec")
+                             " or a specjax.decoding.tree.TreeSpec")
         nums = [int(x) for x in m.group(2).split(",") if x]
         if m.group(1) == "chain":
             if len(nums) != 1:
@@ -249,5 +249,5 @@ def spec_arrays(spec: TreeSpec, batch: int) -> jax.Array:
     """The template's parents broadcast to int32 [B, N]."""
     if isinstance(spec, DynamicTreeSpec):
         raise ValueError(f"{spec} is a dynamic tree: its parents are chosen each round, so there is no static "
-                         "template (a drafter that supports dynamic trees builds them with specjax.dynamic_tree)")
+                         "template (a drafter that supports dynamic trees builds them with specjax.decoding.dynamic_tree)")
     return jnp.broadcast_to(jnp.asarray(np.asarray(spec.parents, np.int32)), (batch, spec.num_nodes))

@@ -30,6 +30,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from specjax.config import SamplingConfig
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.request import bucket, round_cache_length
+from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
+from specjax.decoding.verify import Draft, verify
+from specjax.models.cache import KVCache, commit, init_cache
+from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.target import format_count
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
@@ -369,7 +378,6 @@ def load_profile(path: str | Path, key: str | None = None) -> Profile:
 
 def model_name(cfg) -> str:
     """'llama-L16-D1024-V32000-246M': what a profile is keyed by (the shapes that set its cost)."""
-    from .target import format_count
 
     return (f"{cfg.family}-L{cfg.num_layers}-D{cfg.hidden_size}-F{cfg.intermediate_size}-V{cfg.vocab_size}"
             f"-{format_count(cfg.num_params())}")
@@ -399,13 +407,6 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
     """
     import jax
     import jax.numpy as jnp
-
-    from .cache import KVCache, commit, init_cache
-    from .config import SamplingConfig
-    from .models.decoder import forward, has_layer_list, lm_head
-    from .request import round_cache_length
-    from .tree import ancestor_mask, chain, depths, spec_arrays
-    from .verify import Draft, verify
 
     cfg, params = target.cfg, target.params
     spec = chain(nodes - 1) if nodes > 1 else None
@@ -447,11 +448,6 @@ def time_propose(target, drafter, batch: int, depth, cache_len: int, repeats: in
     or for the static tree `depth` when it is a TreeSpec (a draft model's tree levels cost more than a chain's)."""
     import jax
     import jax.numpy as jnp
-
-    from .config import SamplingConfig
-    from .drafters.base import PrefillContext, Settings
-    from .request import bucket, round_cache_length
-    from .tree import chain
 
     spec = chain(depth) if isinstance(depth, int) else depth
     depth = spec.max_depth

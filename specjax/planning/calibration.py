@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .config import SamplingConfig
-from .plain import plain_generate
-from .planner import expected_tau
-from .profile import RunTimes
-from .speculative import speculative_generate
-from .tree import TreeSpec, chain, child_ranks
+from specjax.config import SamplingConfig
+from specjax.decoding.plain import plain_generate
+from specjax.decoding.speculative import speculative_generate
+from specjax.decoding.tree import TreeSpec, chain, child_ranks
+from specjax.planning.planner import expected_tau
+from specjax.planning.profile import RunTimes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .cache import KVCache, init_cache
-from .config import ModelConfig, SamplingConfig
-from .models.decoder import forward, has_layer_list, lm_head
-from .sampling import choose_token, row_keys, split_rows
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding.sampling import choose_token, row_keys, split_rows
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.decoder import forward, has_layer_list, lm_head
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,10 +43,6 @@ a measured `Profile` or a roofline by `cost_table`.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import weakref
-from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
@@ -142,45 +138,3 @@ def cost_table(verify_s: Callable[[int, float], float], batch: int, num_nodes: i
     if not np.all(np.isfinite(secs)) or np.any(secs <= 0):
         raise ValueError("a verify cost curve must be positive and finite at every token count")
     return np.maximum.accumulate(secs).astype(np.float32)
-
-
-_MEASURED: weakref.WeakKeyDictionary | None = None  # Target -> {(batch, widths, cache_len): Profile}
-
-
-def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len: int):
-    """The verify cost model the scheduler optimises, with `.source` saying where it came from.
-
-    source: a `Profile` or `CostModel`; a profile JSON path; "measure" (time this target's verify rounds
-    at this batch and the compiled widths now, cached per target); "roofline" (this device's estimate);
-    None: the profile in $SPECJAX_PROFILE when it holds this device and model, else the roofline.
-    """
-    from .profile import (CostModel, Profile, cost_model, device_kind, load_profile, local_device, model_name,
-                          profile, profile_key, profile_key_for)
-
-    if isinstance(source, CostModel):
-        return source
-    if isinstance(source, Profile):
-        return source.cost(cache_len)
-    if source == "measure":
-        global _MEASURED
-        if _MEASURED is None:
-            _MEASURED = weakref.WeakKeyDictionary()
-        cached = _MEASURED.setdefault(target, {})
-        k = (batch, tuple(widths), cache_len)
-        if k not in cached:
-            cached[k] = profile(target, None, (batch,), tuple(widths), (cache_len,), repeats=3)
-        cost = cached[k].cost(cache_len)
-        return dataclasses.replace(cost, source=f"measured now at batch {batch}, widths {list(widths)}: {cost.source}")
-    if source == "roofline" or source is None:
-        path = os.environ.get("SPECJAX_PROFILE") if source is None else None
-        if path and Path(path).is_file() and profile_key_for(target.cfg, path) is not None:
-            return load_profile(path, profile_key_for(target.cfg, path)).cost(cache_len)
-        cost = cost_model(local_device(), target.cfg, None, cache_len, 0.0)
-        key = profile_key(device_kind(), model_name(target.cfg), str(target.cfg.dtype))
-        why = "" if source == "roofline" or path == "roofline" else \
-            f" (no profile for {key} in $SPECJAX_PROFILE)" if path else " ($SPECJAX_PROFILE unset)"
-        return dataclasses.replace(cost, source=f"estimate: {cost.source}{why}")
-    if isinstance(source, (str, Path)):
-        return load_profile(source, profile_key_for(target.cfg, source)).cost(cache_len)
-    raise ValueError(f"scheduler_profile must be a Profile, a CostModel, a profile JSON path, 'measure', 'roofline' "
-                     f"or None; got {source!r}")

@@ -14,13 +14,28 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from .calibration import calibrate
-from .planner import (Call, Choice, Shape, best_trees, drafter_takes_trees, format_plan, plan, published_model,
-                      shape_curve, shape_of)
-from .profile import CostModel, cost_model, local_device, profile, save_profile
-from .tree import chain, parse_tree
+from specjax.decoding.tree import chain, parse_tree
+from specjax.drafters import NgramDrafter
+from specjax.loading.drafter import load_drafter
+from specjax.loading.embedded import EMBEDDED_DIR
+from specjax.loading.prompts import bench_prompts
+from specjax.loading.target import load
+from specjax.planning.calibration import calibrate
+from specjax.planning.planner import (
+    Call,
+    Choice,
+    Shape,
+    best_trees,
+    drafter_takes_trees,
+    format_plan,
+    plan,
+    published_model,
+    shape_curve,
+    shape_of,
+)
+from specjax.planning.profile import CostModel, cost_model, local_device, profile, save_profile
 
-DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny" / "target"
+DEFAULT_TARGET = EMBEDDED_DIR / "target"
 
 
 def ints(text: str, what: str) -> list[int]:
@@ -115,8 +130,6 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def load_pair(target_dir: str, drafter_arg: str):
-    from .drafters import NgramDrafter, load_drafter
-    from .target import load
 
     target = load(target_dir)
     drafter = NgramDrafter() if drafter_arg == "ngram" else load_drafter(drafter_arg, target)
@@ -125,7 +138,6 @@ def load_pair(target_dir: str, drafter_arg: str):
 
 def calibration_prompts(target, n: int) -> list:
     """Held-out prompts from the checkpoint's manifest when it has them, else random ids (what bench uses)."""
-    from .bench_spec import bench_prompts
 
     return bench_prompts(target, n)
 
@@ -194,8 +206,6 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    from .drafters import load_drafter
-    from .target import load
 
     target = load(args.target or str(DEFAULT_TARGET))
     drafter = load_drafter(args.drafter, target) if args.drafter else None

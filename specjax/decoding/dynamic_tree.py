@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .tree import DynamicTreeSpec
+from specjax.decoding.tree import DynamicTreeSpec
 
 
 @jax.tree_util.register_dataclass

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .verify import Draft, Verdict
+from specjax.decoding.verify import Draft, Verdict
 
 
 @jax.tree_util.register_dataclass

@@ -51,15 +51,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import checkpoint
-from .config import ModelConfig
-from .convert.hf import _LAYER_KEYS as MODEL_LAYER_KEYS
-from .convert.hf import load_hf, read_json
-from .convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
-from .convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
-from .drafters.dflash import BlockConfig
-from .drafters.dspark import DSparkConfig
-from .drafters.eagle3 import Eagle3Config
+from specjax.config import ModelConfig
+from specjax.convert import checkpoint
+from specjax.convert.dflash import LAYER_KEYS as BLOCK_LAYER_KEYS
+from specjax.convert.dflash import TOP_KEYS as BLOCK_TOP_KEYS
+from specjax.convert.dflash import is_dflash_config
+from specjax.convert.dspark import CALIBRATION_FILE, TABLES_FROM_TARGET, is_dspark_config
+from specjax.convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
+from specjax.convert.hf import load_hf
+from specjax.convert.hf_files import LAYER_KEYS as MODEL_LAYER_KEYS
+from specjax.convert.hf_files import read_json, read_tensors, safetensors_files
+from specjax.convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
+from specjax.drafters.dflash import BlockConfig
+from specjax.drafters.dspark import DSparkConfig
+from specjax.drafters.eagle3 import Eagle3Config
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 EAGLE3_RUN_FILE = "eagle3_head.json"  # in a training run dir: {"config": head config.json, "d2t": [...]}
@@ -324,7 +329,6 @@ def dflash_hf_config(cfg: BlockConfig, num_target_layers: int, dtype: str | None
 
 def block_tensors(params: dict, cfg: BlockConfig, dtype: str) -> dict[str, np.ndarray]:
     """The backbone's tensors under the originals' names ([in, out] -> torch [out, in]), stacked or per-layer."""
-    from .convert.dflash import LAYER_KEYS as BLOCK_LAYER_KEYS, TOP_KEYS as BLOCK_TOP_KEYS  # noqa: PLC0415
 
     tensors = {name: _cast(np.asarray(params[key]).T if tr else params[key], dtype)
                for key, (name, tr) in BLOCK_TOP_KEYS.items()}
@@ -382,7 +386,6 @@ def export_dspark(cfg: DSparkConfig, params: dict, dst: str | Path, *, num_targe
                   extra_files: dict[str, Path] | None = None, overwrite: bool = False) -> Path:
     """Write a DSpark drafter in DeepSpec's format; with `tables_from` (a path to the target, relative to dst) the
     embed_tokens / lm_head copies are left out and config.json names the target they come from instead."""
-    from .convert.dspark import TABLES_FROM_TARGET  # noqa: PLC0415
 
     dtype = dtype or cfg.block.layers.dtype
     config = dspark_hf_config(cfg, num_target_layers, dtype, num_anchors)
@@ -396,7 +399,6 @@ def export_dspark(cfg: DSparkConfig, params: dict, dst: str | Path, *, num_targe
 
 def _read_head_dir(src: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json, every tensor by name) of a drafter directory."""
-    from .convert.hf import read_tensors, safetensors_files  # noqa: PLC0415
 
     return read_json(src / "config.json"), read_tensors(safetensors_files(src))
 
@@ -419,8 +421,6 @@ def export_dspark_dir(src: str | Path, dst: str | Path, *, target: str | Path | 
     reference, relative to src): its embedding, and its lm_head (the embedding when tied).
     A confidence_calibration.json is copied along.
     """
-    from .convert.dspark import CALIBRATION_FILE, TABLES_FROM_TARGET  # noqa: PLC0415
-
     src = Path(src)
     config, tensors = _read_head_dir(src)
     dtype = dtype or config.get("torch_dtype") or "float32"
@@ -455,8 +455,6 @@ def export_dspark_dir(src: str | Path, dst: str | Path, *, target: str | Path | 
 
 def _head_family(path: Path) -> str | None:
     """'dflash' / 'dspark' for a DFlash or DSpark directory (by its config.json), else None."""
-    from .convert.dflash import is_dflash_config  # noqa: PLC0415
-    from .convert.dspark import is_dspark_config  # noqa: PLC0415
 
     file = path / "config.json"
     if checkpoint.is_checkpoint(path) or not file.is_file():

@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .cache import commit, init_cache
-from .config import SamplingConfig
-from .decode import LoopConfig, first_token_state, is_eos, prefill
-from .drafters.base import Drafter, PrefillContext, Settings, accepted_tokens
-from .models.decoder import forward, has_layer_list, lm_head
-from .request import GenerateOutput, finish, prepare, run_compiled, timing_context
-from .sampling import choose_token, row_keys, split_rows
-from .scheduler import cost_table, prefix_schedule, scheduler_cost, verify_widths, width_for, width_schedule
-from .stats import SpecStats, record_round, record_width, summarize
-from .target import Target
-from .tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
-from .verify import Draft, Verdict, verify
+from specjax.config import SamplingConfig
+from specjax.decoding.decode import LoopConfig, first_token_state, is_eos, prefill
+from specjax.decoding.drafter import Drafter, PrefillContext, Settings, accepted_tokens
+from specjax.decoding.request import GenerateOutput, finish, prepare, run_compiled, timing_context
+from specjax.decoding.sampling import choose_token, row_keys, split_rows
+from specjax.decoding.scheduler import cost_table, prefix_schedule, verify_widths, width_for, width_schedule
+from specjax.decoding.stats import SpecStats, record_round, record_width, summarize
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
+from specjax.decoding.verify import Draft, Verdict, verify
+from specjax.models.cache import commit, init_cache
+from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.target import Target
 
 SCHEDULERS = ("confidence", "prefix")
 
@@ -172,10 +172,13 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
 
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
                          sampling: SamplingConfig, seed, spec: TreeSpec | DynamicTreeSpec, eos_token_id,
-                         max_len: int | None, scheduler: str | None = None, scheduler_profile=None) -> GenerateOutput:
+                         max_len: int | None, scheduler: str | None = None,
+                         scheduler_cost: Callable | None = None) -> GenerateOutput:
     """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics.
 
-    scheduler / scheduler_profile: see `generate`; None runs every draft node every round.
+    scheduler: see `generate`; None runs every draft node every round. scheduler_cost(batch, widths,
+    context) gives the verify cost model it optimises (`generate` resolves scheduler_profile= into it,
+    specjax/planning/scheduler_cost.py); None there means the roofline of this device.
     """
     check_drafter_fits(drafter, target)
     if scheduler is not None:
@@ -183,9 +186,6 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
             raise ValueError(f"scheduler must be one of {SCHEDULERS} or None, got {scheduler!r}")
         if not isinstance(spec, TreeSpec) or not spec.is_chain:
             raise ValueError("the prefix scheduler verifies prefixes of a chain: pass num_draft_tokens=K, not a tree")
-    elif scheduler_profile is not None:
-        raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
-                         "too, or drop scheduler_profile=")
     req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed,
                   draft_nodes=spec.cache_slots)
     configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
@@ -193,8 +193,9 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
     if scheduler is not None:
         sched = Scheduler(scheduler, verify_widths(spec.num_nodes))
         batch = req.prompt_BT.shape[0]
-        cost = scheduler_cost(target, scheduler_profile, batch, sched.widths,
-                              timing_context(req.ids, max_new_tokens))
+        if scheduler_cost is None:
+            raise ValueError("scheduler= needs its verify cost model: pass scheduler_cost=")
+        cost = scheduler_cost(batch, sched.widths, timing_context(req.ids, max_new_tokens))
         # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
         overhead = cost.draft_s(batch, spec.num_nodes - 1)
         args, static, key = (jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead)),), \

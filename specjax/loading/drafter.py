@@ -1,0 +1,179 @@
+"""`load_drafter`: a drafter of any family from its directory, checked against the target it drafts for.
+
+Each family's "from a path" constructor lives here, beside the loading it needs: the drafter
+modules know their networks and the loop, never the checkpoint formats (convert/ reads those).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.convert.dflash import is_dflash_config, load_dflash
+from specjax.convert.dspark import is_dspark_config, load_dspark
+from specjax.convert.eagle3 import load_eagle3
+from specjax.convert.mtp import check_stored, is_mtp_only, read_mtp_only_dir
+from specjax.decoding.drafter import Drafter
+from specjax.drafters import dflash as dflash_family
+from specjax.drafters import dspark as dspark_family
+from specjax.drafters import mtp as mtp_family
+from specjax.drafters.dflash import DFlashDrafter
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.dspark import DSparkDrafter
+from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.mtp import MtpDrafter, mtp_config
+from specjax.loading.target import load
+from specjax.models.decoder import has_layer_list
+
+
+def drafter_family(path: str | Path) -> str:
+    """'dspark', 'dflash', 'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
+
+    DeepSpec DSpark drafters (and DeepSpec's DFlash ones, the same class with markov_rank 0) say so by
+    the Qwen3DSparkModel architecture (or DSpark's config fields).
+
+    DFlash drafters (z-lab) say so by the DFlashDraftModel architecture or a `dflash_config`.
+
+    EAGLE-3 heads say so by an `eagle_config`, an architecture named *Eagle3 (SpecForge) or a
+    `draft_vocab_size` (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer).
+    An MTP-only directory (MTP tensors without their target, convert/mtp.py) by `specjax_mtp_only`.
+    """
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
+    hf = json.loads(config.read_text())
+    archs = hf.get("architectures") or []
+    if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
+        return "dspark"
+    if is_dflash_config(hf):
+        return "dflash"
+    if "eagle_config" in hf or "draft_vocab_size" in hf or any("eagle3" in a.lower() for a in archs):
+        return "eagle3"
+    if is_mtp_only(hf):
+        return "mtp"
+    return "draft_model"
+
+
+def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None) -> Drafter:
+    """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
+
+    - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
+      becomes a `DSparkDrafter` with its own embedding and lm_head copies; hidden size, vocabulary, block,
+      mask token and tap layers are checked against the target.
+    - A z-lab DFlash drafter becomes a `DFlashDrafter` reading the target's features and using its
+      embedding and lm_head; hidden size, vocabulary, mask token and tap layers are checked.
+    - An EAGLE-3 head (SafeAILab or SpecForge format) becomes an `Eagle3Drafter` reading the
+      target's features; hidden size, vocabulary, d2t and tap layers are checked against the target.
+    - The target's own directory, when its checkpoint carries MTP layers (or `mtp=True`), gives
+      the target's `MtpDrafter`; so does another directory of the same model (same config.json
+      shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
+    - An MTP-only directory (only MTP tensors + the target's config.json, `specjax_mtp_only`; what
+      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`.
+    - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
+      model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
+    """
+    family = drafter_family(path)
+    if family == "dspark":
+        return dspark_drafter(path, target, attn_impl=attn_impl)
+    if family == "dflash":
+        return dflash_drafter(path, target, attn_impl=attn_impl)
+    if family == "eagle3":
+        return eagle3_drafter(path, target, attn_impl=attn_impl)
+    if family == "mtp":
+        if mtp is False:
+            raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
+        return mtp_drafter(target, attn_impl=attn_impl, stored=read_mtp_only_dir(path, target.cfg))
+    own = getattr(target, "mtp", None) is not None
+    if mtp or (mtp is None and own and _same_dir(path, getattr(target, "path", None))):
+        if own or _same_dir(path, getattr(target, "path", None)):
+            return mtp_drafter(target, attn_impl=attn_impl)  # ValueError when the target has none
+    model = load(path, attn_impl=attn_impl or target.attn_impl)
+    if mtp is not False and model.mtp is not None and _same_model(model, target):
+        return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
+    if mtp:
+        what = "has no MTP layers" if model.mtp is None else "is a different model from the target"
+        raise ValueError(f"mtp=True but neither the target nor {path} has MTP layers for it ({path} {what}); an MTP "
+                         "drafter runs the target's own multi-token-prediction layers")
+    if model.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"draft model {path} has vocab_size {model.cfg.vocab_size} but the target has "
+                         f"{target.cfg.vocab_size}; a draft model must share the target's tokenizer")
+    if model.tokenizer is not None and target.tokenizer is not None:
+        if model.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"draft model {path} has a different tokenizer from the target (same size, different"
+                             " token ids); a draft model must share the target's tokenizer")
+    return DraftModelDrafter(model.cfg, model.params, attn_impl=model.attn_impl)
+
+
+def _same_dir(a, b) -> bool:
+    return b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _same_model(model, target) -> bool:
+    """The same architecture and shapes (the dtype and EOS ids may differ): its MTP layers fit the target."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "family", "qkv_bias", "qk_norm", "tie_word_embeddings", "rope")
+    return all(getattr(model.cfg, k) == getattr(target.cfg, k) for k in keep)
+
+
+def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> Eagle3Drafter:
+    """An Eagle3Drafter from a SafeAILab / SpecForge head directory, checked against `target`.
+
+    Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy).
+    """
+
+    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype)
+    params = jax.tree.map(jnp.asarray, host)
+    params.setdefault("embed", target.params["embed"])
+    return Eagle3Drafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
+
+
+def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DFlashDrafter:
+    """A DFlashDrafter from a z-lab DFlash checkpoint directory, checked against `target`.
+
+    The drafter uses the target's embed and lm_head (the same arrays, not copies) and the
+    target's layer layout (per-layer on CPU, stacked elsewhere).
+    """
+
+    cfg, host = load_dflash(path, target.cfg, dtype or target.cfg.dtype)
+    block = jax.tree.map(jnp.asarray, host)
+    params = dflash_family.drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
+    return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
+
+
+def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DSparkDrafter:
+    """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
+
+    DSpark carries its own embedding and lm_head (frozen copies of the target's). A
+    `confidence_calibration.json` beside the weights (drafters/confidence.save_calibration) supplies
+    the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
+    """
+
+    embed = np.asarray(target.params["embed"])
+    lm_head = np.asarray(target.params["lm_head"]) if "lm_head" in target.params else embed.T
+    cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
+    params = dspark_family.drafter_params(jax.tree.map(jnp.asarray, block), jax.tree.map(jnp.asarray, heads),
+                            has_layer_list(target.params))
+    return DSparkDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
+
+
+def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = None) -> MtpDrafter:
+    """The MtpDrafter of a target loaded with MTP tensors (`Target.mtp`); ValueError when it has none.
+
+    `stored`: MTP layers read from another copy of the same model (cast to the target's dtype).
+    """
+    stored = stored if stored is not None else getattr(target, "mtp", None)
+    if stored is None:
+        where = f" ({target.path})" if getattr(target, "path", None) is not None else ""
+        raise ValueError(f"the target{where} has no MTP layers: its checkpoint carries no multi-token-prediction "
+                         "tensors (model.layers.{num_hidden_layers}.eh_proj... or mtp.fc...), so there is no MTP "
+                         "drafter; use a draft model, an EAGLE-3 head or NgramDrafter instead")
+
+    check_stored(stored, target.cfg)
+    stored = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.dtype), stored)
+    cfg = mtp_config(target.cfg, stored)
+    return MtpDrafter(cfg, mtp_family.drafter_params(stored, target.params, target.cfg),
+                      attn_impl=attn_impl or target.attn_impl)
