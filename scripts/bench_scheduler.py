@@ -41,19 +41,10 @@ from specjax.bench.ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench.spec import random_model
 from specjax.decoding.request import round_cache_length
 from specjax.decoding.scheduler import verify_widths
+from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import init_cache
-from specjax.models.decoder import (
-    attn_out_and_mlp,
-    cached_attention,
-    causal_mask,
-    forward,
-    has_layer_list,
-    lm_head,
-    qkv,
-    rms_norm,
-    rope_inv_freq,
-    unstack_layers,
-)
+from specjax.models.decoder import forward, has_layer_list, lm_head, unstack_layers
+from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
 from specjax.planning.profile import DEVICES, CostModel, Profile, Roofline, device_kind, model_name, time_verify_round
 
 MODELS = {**PRESETS, "micro": MICRO_PRESET}

@@ -63,19 +63,11 @@ from specjax.config import ModelConfig
 from specjax.decoding.drafter import PrefillContext, Settings, require_chain
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
+from specjax.models._legacy import attn_out_and_mlp, project_qkv, qkv, run_layers
 from specjax.models.cache import KVCache, init_cache, write_layer
-from specjax.models.decoder import (
-    attn_out_and_mlp,
-    cached_attention,
-    has_layer_list,
-    project_qkv,
-    qkv,
-    rms_norm,
-    rope_inv_freq,
-    run_layers,
-    unstack_layers,
-)
+from specjax.models.decoder import has_layer_list, unstack_layers
 from specjax.models.decoder import param_shapes as decoder_shapes
+from specjax.models.layers import cached_attention, rms_norm, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)

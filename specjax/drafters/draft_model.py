@@ -26,18 +26,10 @@ from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
+from specjax.models._legacy import attn_out_and_mlp, qkv, run_layers
 from specjax.models.cache import KVCache, commit, init_cache
-from specjax.models.decoder import (
-    attn_out_and_mlp,
-    cached_attention,
-    forward,
-    has_layer_list,
-    lm_head,
-    qkv,
-    rms_norm,
-    rope_inv_freq,
-    run_layers,
-)
+from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.layers import cached_attention, rms_norm, rope_inv_freq
 from specjax.models.target import model_summary
 
 

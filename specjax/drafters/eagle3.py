@@ -39,8 +39,9 @@ from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
+from specjax.models._legacy import attn_out_and_mlp, project_qkv
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import attn_out_and_mlp, cached_attention, causal_mask, project_qkv, rms_norm, rope_inv_freq
+from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)

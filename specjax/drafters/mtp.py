@@ -52,8 +52,9 @@ from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, 
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
+from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import attn_out_and_mlp, cached_attention, causal_mask, qkv, rms_norm, rope_inv_freq
+from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
 
 LAYOUTS = ("deepseek", "qwen3_next")
 

@@ -1,9 +1,12 @@
-"""The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as pure functions.
+"""The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as Flax NNX modules.
 
-Params are a nested dict; the per-layer weights are stacked on a leading axis and the
-layers run under `lax.scan`, so compile time does not grow with depth (on CPU,
-`unstack_layers` trades that for speed). The KV cache is carried through the layers and
-written in place at each row's offset.
+`Decoder` declares its weights (`nnx.Param`, with logical axis names) and runs them; the loops use it
+functionally: `nnx.split` once outside (a Target keeps the graphdef and the params as a plain dict of
+arrays, whose tree matches the checkpoint's), `nnx.merge` inside the traced function, caches passed in
+and returned. Two layer layouts: `layers` stacked on a leading axis (one `DecoderLayer` whose weights
+are [L, ...], run under `lax.scan` with the cache carried, so compile time does not grow with depth: the
+accelerator graph), or an `nnx.List` of per-layer modules (unrolled: on CPU, XLA copies a layer out of a
+stacked array before its matmuls, tripling the memory traffic of batch-1 decode).
 
 Hidden-state numbering follows Hugging Face: `capture=(i,)` returns the residual
 stream entering layer i (= HF `hidden_states[i]`, 0 = embeddings); `i = num_layers`
@@ -13,272 +16,286 @@ already normed, ours is not: MTP heads want the pre-norm one).
 
 from __future__ import annotations
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax import lax
 
-from specjax.config import ModelConfig, RopeConfig
-from specjax.kernels import attention
-from specjax.models.cache import KVCache, write_layer
+from specjax.config import ModelConfig
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.layers import apply_rope, cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.state import graph_of, shapes_of, to_params
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in fp32, cast back before the scale (as Hugging Face does)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+class DecoderLayer(nnx.Module):
+    """One pre-norm layer: RoPE attention (optional q/k RMSNorm, q/k/v biases), then a SwiGLU MLP.
 
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
-    """Inverse frequencies [head_dim/2], with `linear` or `llama3` scaling applied."""
-    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if rope.rope_type == "linear":
-        return inv / rope.factor
-    if rope.rope_type == "llama3":
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = jnp.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return jnp.where(medium, smoothed, scaled)
-    return inv
-
-
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout, not interleaved pairs)."""
-    angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
-    angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BTD).astype(x_BTHD.dtype), jnp.sin(angles_BTD).astype(x_BTHD.dtype)
-    half = x_BTHD.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
-    return x_BTHD * cos + rotated * sin
-
-
-def causal_mask(t: int) -> jax.Array:
-    return jnp.tril(jnp.ones((t, t), jnp.bool_))
-
-
-def qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
-    """The attention half of a layer up to attention itself: pre-norm, projections, q/k norms, RoPE."""
-    return project_qkv(cfg, p, rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps), positions_BT, inv_freq)
-
-
-def project_qkv(cfg: ModelConfig, p: dict, x_BTX: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
-    """q/k/v from an input that is already normed (or fused): projections, biases, q/k norms, RoPE.
-
-    The part of `qkv` after its pre-norm, for layers whose attention input is built some other
-    way (an EAGLE-3 head projects concat(norm(embedding), norm(hidden)), width 2H). The input
-    width is whatever the weights take.
+    in_features: the attention input's width (hidden size; an EAGLE-3 head's 2H concat). Without
+    input_norm the layer has no attn_norm: its caller builds the normed input (EAGLE-3, DFlash).
+    stacked=L: every weight gets a leading "layers" axis; L layers in one module, run by `run_layers`.
     """
-    b, t, _ = x_BTX.shape
-    q, k, v = x_BTX @ p["wq"], x_BTX @ p["wk"], x_BTX @ p["wv"]
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q_BTHD = rms_norm(q_BTHD, p["q_norm"], cfg.rms_norm_eps)
-        k_BTKD = rms_norm(k_BTKD, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq), v_BTKD
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, in_features: int | None = None, input_norm: bool = True,
+                 stacked: int | None = None, scale: float = 0.02):
+        self.cfg = cfg
+        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        x = in_features or d
+        qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        lead = () if stacked is None else (stacked,)
+        lead_axis = () if stacked is None else ("layers",)
+        dtype = jnp.dtype(cfg.dtype)
+
+        def weight(shape, *axes):
+            return param(normal(rngs, lead + shape, dtype, scale), *lead_axis, *axes)
+
+        def ones(n, axis):
+            return param(jnp.ones(lead + (n,), dtype), *lead_axis, axis)
+
+        def zeros(n, axis):
+            return param(jnp.zeros(lead + (n,), dtype), *lead_axis, axis)
+
+        self.attn_norm = ones(x, "embed") if input_norm else None
+        self.wq, self.wk, self.wv = weight((x, qd), "embed", "heads"), weight((x, kvd), "embed", "kv_heads"), \
+            weight((x, kvd), "embed", "kv_heads")
+        self.wo = weight((qd, d), "heads", "embed")
+        self.bq, self.bk, self.bv = (zeros(qd, "heads"), zeros(kvd, "kv_heads"), zeros(kvd, "kv_heads")) \
+            if cfg.qkv_bias else (None, None, None)
+        self.q_norm, self.k_norm = (ones(hd, None), ones(hd, None)) if cfg.qk_norm else (None, None)
+        self.mlp_norm = ones(d, "embed")
+        self.w_gate, self.w_up = weight((d, f), "embed", "mlp"), weight((d, f), "embed", "mlp")
+        self.w_down = weight((f, d), "mlp", "embed")
+
+    def qkv(self, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+        """The attention half of the layer up to attention itself: pre-norm, projections, q/k norms, RoPE."""
+        return self.project_qkv(rms_norm(h_BTD, self.attn_norm[...], self.cfg.rms_norm_eps), positions_BT, inv_freq)
+
+    def project_qkv(self, x_BTX: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+        """q/k/v from an input that is already normed (or fused): projections, biases, q/k norms, RoPE."""
+        cfg = self.cfg
+        b, t, _ = x_BTX.shape
+        q, k, v = x_BTX @ self.wq[...], x_BTX @ self.wk[...], x_BTX @ self.wv[...]
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q_BTHD = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q_BTHD = rms_norm(q_BTHD, self.q_norm[...], cfg.rms_norm_eps)
+            k_BTKD = rms_norm(k_BTKD, self.k_norm[...], cfg.rms_norm_eps)
+        return apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq), v_BTKD
+
+    def attn_out_and_mlp(self, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
+        """The rest of the layer after attention: output projection, residual, pre-norm SwiGLU MLP, residual."""
+        b, t, _ = h_BTD.shape
+        h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ self.wo[...]
+        x_BTD = rms_norm(h_BTD, self.mlp_norm[...], self.cfg.rms_norm_eps)
+        return h_BTD + (jax.nn.silu(x_BTD @ self.w_gate[...]) * (x_BTD @ self.w_up[...])) @ self.w_down[...]
+
+    def __call__(self, h_BTD, k_cache, v_cache, layer, lengths_B, positions_BT, mask_BTT, inv_freq, attn_impl: str):
+        """The layer over T new tokens; k/v_cache are the stacked cache (with `layer`) or its own buffers (None)."""
+        q_BTHD, k_BTKD, v_BTKD = self.qkv(h_BTD, positions_BT, inv_freq)
+        o_BTHD, k_cache, v_cache = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_cache, v_cache, layer, lengths_B,
+                                                    mask_BTT, attn_impl)
+        return self.attn_out_and_mlp(h_BTD, o_BTHD), k_cache, v_cache
 
 
-def attn_out_and_mlp(cfg: ModelConfig, p: dict, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
-    """The rest of a layer after attention: output projection, residual, pre-norm SwiGLU MLP, residual."""
-    b, t, _ = h_BTD.shape
-    h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ p["wo"]
-    x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-    return h_BTD + (jax.nn.silu(x_BTD @ p["w_gate"]) * (x_BTD @ p["w_up"])) @ p["w_down"]
+def run_layers(layers, h_BTD: jax.Array, cache: KVCache, layer_fn, extra=None):
+    """Run every layer in the layout `layers` and `cache` are in; returns (h, (k, v), extra).
 
-
-def cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, base_B, mask_BKR, attn_impl: str, slot=0):
-    """Write K new rows' K/V after each row's prefix and attend over the cache: every layer's core.
-
-    The new rows go to window slots `slot .. slot + K - 1` (cache positions `base + slot + i`) of a
-    window of R slots after the prefix; row i sees the prefix (< base) and the slots `mask_BKR[:, i]`
-    marks. The plain case (slot 0, R = K) is a forward pass's T new tokens; a tree's frontier uses a
-    wider window, so only its ancestors among the nodes already run are visible. k/v_cache are a
-    stacked cache (with `layer`) or one layer's buffers (layer None). Returns (o_BKHD, k_cache, v_cache).
-    """
-    b, k = q_BKHD.shape[:2]
-    r = mask_BKR.shape[-1]
-    k_cache = write_layer(k_cache, layer, k_BKGD, base_B + slot)
-    v_cache = write_layer(v_cache, layer, v_BKGD, base_B + slot)
-    windowed = not (isinstance(slot, int) and slot == 0 and r == k)
-    if windowed:  # the K queries at their slots of the R-row window; the other rows see nothing
-        mask_BKR = lax.dynamic_update_slice(jnp.zeros((b, r, r), jnp.bool_), mask_BKR, (0, slot, 0))
-        q_BKHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD,
-                                          (0, slot, 0, 0))
-    # specjax caches start as zeros and only ever hold computed K/V: never NaN past a row's tokens.
-    o = attention(q_BKHD, k_cache, v_cache, base_B, mask_BKR, layer=layer, impl=attn_impl, finite_cache=True)
-    return (lax.dynamic_slice_in_dim(o, slot, k, axis=1) if windowed else o), k_cache, v_cache
-
-
-def _layer(cfg: ModelConfig, p: dict, layer: jax.Array | None, h_BTD, k_cache, v_cache, lengths_B, positions_BT,
-           mask_BTT, inv_freq, attn_impl: str):
-    """One layer; k/v_cache are the stacked cache (with `layer`) or this layer's own buffers (layer None)."""
-    q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
-    o_BTHD, k_cache, v_cache = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_cache, v_cache, layer, lengths_B, mask_BTT,
-                                                attn_impl)
-    return attn_out_and_mlp(cfg, p, h_BTD, o_BTHD), k_cache, v_cache
-
-
-def forward(
-    params: dict,
-    cfg: ModelConfig,
-    tokens_BT: jax.Array,
-    cache: KVCache,
-    *,
-    positions_BT: jax.Array | None = None,
-    mask_BTT: jax.Array | None = None,
-    capture: tuple[int, ...] = (),
-    attn_impl: str = "auto",
-) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
-    """Run T new tokens per row after each row's cached prefix.
-
-    Writes their K/V at `cache.lengths[b] + t` but leaves `lengths` unchanged: the
-    caller advances it (prefill, decode) or commits an accepted path (verify).
-    positions default to `lengths + t`; mask_BTT (query i sees new token j) defaults to
-    causal — a tree passes its ancestor mask and per-node positions instead.
-    Returns the final-normed hidden states [B, T, D], the captured hidden states
-    (one [B, T, D] per entry of `capture`) and the updated cache.
-    """
-    b, t = tokens_BT.shape
-    lengths_B = cache.lengths
-    if positions_BT is None:
-        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if mask_BTT is None:
-        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-    h_BTD = params["embed"][tokens_BT]
-    # One buffer slot per distinct captured layer, written by index as the layers run (in place in
-    # the carry); a layer that is not captured maps to slot U, which mode="drop" discards.
-    unique = sorted(set(capture))
-    captured_UBTD = jnp.zeros((len(unique), b, t, cfg.hidden_size), h_BTD.dtype)
-    slot_of_layer = jnp.asarray([unique.index(i) if i in unique else len(unique) for i in range(cfg.num_layers + 1)],
-                                jnp.int32)
-
-    def keep(captured, layer, h):
-        """Record h as the hidden state entering `layer` (static int or traced) if it was asked for."""
-        if not capture:
-            return captured
-        if isinstance(layer, int):
-            return captured.at[unique.index(layer)].set(h) if layer in unique else captured
-        return captured.at[slot_of_layer[layer]].set(h, mode="drop")
-
-    def layer_fn(p, i, layer, h, k_cache, v_cache, captured):
-        captured = keep(captured, i, h)
-        h, k_cache, v_cache = _layer(cfg, p, layer, h, k_cache, v_cache, lengths_B, positions_BT, mask_BTT,
-                                     inv_freq, attn_impl)
-        return h, k_cache, v_cache, captured
-
-    h_BTD, (k, v), captured_UBTD = run_layers(params, cfg, h_BTD, cache, layer_fn, captured_UBTD)
-    captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
-    out_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
-
-
-def run_layers(params: dict, cfg: ModelConfig, h_BTD: jax.Array, cache: KVCache, layer_fn, extra=None):
-    """Run every layer in the layout params and cache are in; returns (h, (k, v), extra).
-
-    layer_fn(p, i, layer, h, k_cache, v_cache, extra) -> (h, k_cache, v_cache, extra), where i is the
-    layer index (a Python int when unrolled, traced under scan) and `layer` what `cached_attention`
-    takes: None with per-layer cache buffers (CPU; k/v_cache are that layer's own), else the index
-    into the stacked cache. Per-layer weights are unrolled; stacked weights run under `lax.scan`
-    with the cache carried, so it is updated in place.
+    layers: an nnx.List of layer modules (unrolled) or one module with stacked weights (`lax.scan`, the
+    cache carried so it is updated in place). layer_fn(layer, i, idx, h, k_cache, v_cache, extra) ->
+    (h, k_cache, v_cache, extra): i is the layer index (a Python int when unrolled, traced under scan),
+    idx what `cached_attention` takes: None with per-layer cache buffers (each layer's own), else the
+    index into the stacked cache.
     """
     if isinstance(cache.k, tuple):  # per-layer cache buffers: each layer reads and writes its own
-        if not has_layer_list(params):
-            raise ValueError("a per-layer KV cache needs per-layer params (models.decoder.unstack_layers)")
+        if not isinstance(layers, nnx.List):
+            raise ValueError("a per-layer KV cache needs per-layer weights (Decoder.with_layout(per_layer=True))")
         k, v = list(cache.k), list(cache.v)
-        for i, p in enumerate(params["layers"]):
-            h_BTD, k[i], v[i], extra = layer_fn(p, i, None, h_BTD, k[i], v[i], extra)
+        for i, layer in enumerate(layers):
+            h_BTD, k[i], v[i], extra = layer_fn(layer, i, None, h_BTD, k[i], v[i], extra)
         return h_BTD, (tuple(k), tuple(v)), extra
     k, v = cache.k, cache.v
-    if has_layer_list(params):  # per-layer arrays, stacked cache: unrolled
-        for i, p in enumerate(params["layers"]):
-            h_BTD, k, v, extra = layer_fn(p, i, jnp.int32(i), h_BTD, k, v, extra)
+    if isinstance(layers, nnx.List):  # per-layer weights, stacked cache: unrolled
+        for i, layer in enumerate(layers):
+            h_BTD, k, v, extra = layer_fn(layer, i, jnp.int32(i), h_BTD, k, v, extra)
         return h_BTD, (k, v), extra
+    graphdef, stacked = nnx.split(layers)
 
     def body(carry, xs):
-        p, i = xs
-        h, k_cache, v_cache, extra = layer_fn(p, i, i, *carry)
+        weights, i = xs
+        h, k_cache, v_cache, extra = layer_fn(nnx.merge(graphdef, weights), i, i, *carry)
         return (h, k_cache, v_cache, extra), None
 
-    (h_BTD, k, v, extra), _ = lax.scan(body, (h_BTD, k, v, extra),
-                                       (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    (h_BTD, k, v, extra), _ = lax.scan(body, (h_BTD, k, v, extra), (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
     return h_BTD, (k, v), extra
 
 
-def unstack_layers(params: dict) -> dict:
-    """Params with the stacked layers split into a tuple of per-layer dicts (forward then unrolls them).
+class Decoder(nnx.Module):
+    """A dense decoder-only LM: embedding, layers, final RMSNorm, lm_head (tied to the embedding if the config says).
 
-    On CPU, XLA copies each layer's weights out of a stacked array before its matmuls (a
-    scan's slice, or even a static slice), tripling the memory traffic of batch-1 decode;
-    separate arrays are read in place. On accelerators keep the stacked layout, the usual
-    one there: the scan keeps compile time flat in depth.
+    `forward` runs new tokens after a cached prefix (what the loops call); `__call__` is the plain
+    notebook forward: logits for every position of token ids, with a fresh cache.
     """
-    if has_layer_list(params):
-        return params
-    stacked = params["layers"]
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda x: x[i], stacked) for i in range(num_layers))
-    return {**params, "layers": layers}
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, per_layer: bool = False, scale: float = 0.02):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = param(normal(rngs, (v, d), dtype, scale), "vocab", "embed")
+        if per_layer:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, scale=scale) for _ in range(cfg.num_layers)])
+        else:
+            self.layers = DecoderLayer(cfg, rngs=rngs, stacked=cfg.num_layers, scale=scale)
+        self.final_norm = param(jnp.ones((d,), dtype), "embed")
+        self.lm_head = None if cfg.tie_word_embeddings else param(normal(rngs, (d, v), dtype, scale), "embed", "vocab")
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.layers, nnx.List)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache in this model's layer layout (per-layer buffers for per-layer weights)."""
+        return init_cache(self.cfg, batch, max_len, per_layer=self.per_layer)
+
+    def forward(self, tokens_BT: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
+                mask_BTT: jax.Array | None = None, capture: tuple[int, ...] = (), attn_impl: str = "auto",
+                ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+        """Run T new tokens per row after each row's cached prefix.
+
+        Writes their K/V at `cache.lengths[b] + t` but leaves `lengths` unchanged: the
+        caller advances it (prefill, decode) or commits an accepted path (verify).
+        positions default to `lengths + t`; mask_BTT (query i sees new token j) defaults to
+        causal — a tree passes its ancestor mask and per-node positions instead.
+        Returns the final-normed hidden states [B, T, D], the captured hidden states
+        (one [B, T, D] per entry of `capture`) and the updated cache.
+        """
+        cfg = self.cfg
+        b, t = tokens_BT.shape
+        lengths_B = cache.lengths
+        if positions_BT is None:
+            positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if mask_BTT is None:
+            mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        h_BTD = self.embed[...][tokens_BT]
+        # One buffer slot per distinct captured layer, written by index as the layers run (in place in
+        # the carry); a layer that is not captured maps to slot U, which mode="drop" discards.
+        unique = sorted(set(capture))
+        captured_UBTD = jnp.zeros((len(unique), b, t, cfg.hidden_size), h_BTD.dtype)
+        slot_of_layer = jnp.asarray([unique.index(i) if i in unique else len(unique)
+                                     for i in range(cfg.num_layers + 1)], jnp.int32)
+
+        def keep(captured, layer, h):
+            """Record h as the hidden state entering `layer` (static int or traced) if it was asked for."""
+            if not capture:
+                return captured
+            if isinstance(layer, int):
+                return captured.at[unique.index(layer)].set(h) if layer in unique else captured
+            return captured.at[slot_of_layer[layer]].set(h, mode="drop")
+
+        def layer_fn(layer, i, idx, h, k_cache, v_cache, captured):
+            captured = keep(captured, i, h)
+            h, k_cache, v_cache = layer(h, k_cache, v_cache, idx, lengths_B, positions_BT, mask_BTT, inv_freq,
+                                        attn_impl)
+            return h, k_cache, v_cache, captured
+
+        h_BTD, (k, v), captured_UBTD = run_layers(self.layers, h_BTD, cache, layer_fn, captured_UBTD)
+        captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
+        out_BTD = rms_norm(h_BTD, self.final_norm[...], cfg.rms_norm_eps)
+        return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        """Logits in fp32 from final-normed hidden states (tied embeddings when the config says so)."""
+        if self.lm_head is None:  # contract with the [V, D] table as stored: a transposed view costs a copy on CPU
+            return jnp.einsum("btd,vd->btv", h_BTD, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT, attn_impl: str = "auto") -> jax.Array:
+        """fp32 logits [B, T, V] for every position of `tokens_BT` (int ids), from an empty cache."""
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        cache = self.init_cache(tokens_BT.shape[0], tokens_BT.shape[1])
+        h_BTD, _, _ = self.forward(tokens_BT, cache, attn_impl=attn_impl)
+        return self.logits(h_BTD)
+
+
+# ---- the module's state as plain dicts: what conversion, checkpoints, export and the loops pass around ----
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef(cfg: ModelConfig, per_layer: bool) -> nnx.GraphDef:
+    """The Decoder's graph for this config and layout (no weights are made: shapes only)."""
+    return graph_of(lambda: Decoder(cfg, rngs=nnx.Rngs(0), per_layer=per_layer))
 
 
 def has_layer_list(params: dict) -> bool:
-    """True when params hold per-layer arrays (the CPU layout); loops then give them a per-layer cache too."""
-    return isinstance(params["layers"], (list, tuple))
+    """True when params hold per-layer weights (the CPU layout); loops then give them a per-layer cache too."""
+    layers = params["layers"]
+    return isinstance(layers, (list, tuple)) or (isinstance(layers, dict) and 0 in layers)
+
+
+def layer_list(params: dict) -> list[dict]:
+    """The per-layer weight dicts of per-layer params, in layer order."""
+    layers = params["layers"]
+    return list(layers) if isinstance(layers, (list, tuple)) else [layers[i] for i in range(len(layers))]
+
+
+def unstack_layers(params: dict) -> dict:
+    """Params with per-layer weights ({0: {...}, 1: {...}}, the nnx.List layout), whichever layout they are in."""
+    if has_layer_list(params):
+        return {**params, "layers": dict(enumerate(layer_list(params)))}
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return {**params, "layers": {i: jax.tree.map(lambda x: x[i], stacked) for i in range(num_layers)}}
 
 
 def stacked_layers(params: dict) -> dict:
     """The layer weights stacked on a leading axis, whichever layout params are in."""
-    layers = params["layers"]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if has_layer_list(params) else layers
+    if not has_layer_list(params):
+        return params["layers"]
+    layers = layer_list(params)
+    stack = np.stack if isinstance(jax.tree.leaves(layers)[0], np.ndarray) else jnp.stack
+    return jax.tree.map(lambda *xs: stack(xs), *layers)
 
 
-def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
-    """Logits in fp32 from final-normed hidden states (tied embeddings when the config says so)."""
-    if cfg.tie_word_embeddings:  # contract with the [V, D] table as stored: a transposed view costs a copy on CPU
-        return jnp.einsum("btd,vd->btv", h_BTD, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"], preferred_element_type=jnp.float32)
+def with_layout(params: dict, per_layer: bool) -> dict:
+    """Params in the per-layer or the stacked layout."""
+    return unstack_layers(params) if per_layer else {**params, "layers": stacked_layers(params)}
+
+
+def merge(cfg: ModelConfig, params: dict) -> Decoder:
+    """The Decoder holding `params` (the same arrays: nothing is copied), in the layout they are in.
+
+    Inside a traced function this is the `nnx.merge` of the split the loops did outside.
+    """
+    per_layer = has_layer_list(params)
+    if per_layer and isinstance(params["layers"], (list, tuple)):
+        params = unstack_layers(params)
+    return nnx.merge(graphdef(cfg, per_layer), params)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The expected shape of every parameter: the contract conversion and init check against."""
-    l, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layers = {
-        "attn_norm": (l, d), "wq": (l, d, qd), "wk": (l, d, kvd), "wv": (l, d, kvd), "wo": (l, qd, d),
-        "mlp_norm": (l, d), "w_gate": (l, d, f), "w_up": (l, d, f), "w_down": (l, f, d),
-    }
-    if cfg.qkv_bias:
-        layers |= {"bq": (l, qd), "bk": (l, kvd), "bv": (l, kvd)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": (l, cfg.head_dim), "k_norm": (l, cfg.head_dim)}
-    shapes = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
+    """The expected shape of every parameter (stacked layout): the contract conversion checks against."""
+    return shapes_of(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, per_layer: bool = False) -> dict:
     """Random params (normal(0, scale) matrices, unit norms, zero biases): for tests, benchmarks, training."""
-    dtype = jnp.dtype(cfg.dtype)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    return to_params(Decoder(cfg, rngs=nnx.Rngs(params=key), per_layer=per_layer, scale=scale))
 
-    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        if "norm" in name:
-            return jnp.ones(shape, dtype)
-        if name in ("bq", "bk", "bv"):
-            return jnp.zeros(shape, dtype)
-        return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [make(path[-1].key, shape, k)
-                                                  for (path, shape), k in zip(leaves, keys)])
+# The loops' entry points, over params dicts (merged into the Decoder inside the trace).
+
+
+def forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, cache: KVCache, **kwargs):
+    """`Decoder.forward` of the model holding `params`: see there."""
+    return merge(cfg, params).forward(tokens_BT, cache, **kwargs)
+
+
+def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
+    """`Decoder.logits` of the model holding `params`."""
+    return merge(cfg, params).logits(h_BTD)

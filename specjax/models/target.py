@@ -10,7 +10,7 @@ import jax
 from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
-from specjax.models.decoder import stacked_layers, unstack_layers
+from specjax.models.decoder import Decoder, merge, stacked_layers, unstack_layers
 
 
 @dataclasses.dataclass(eq=False)
@@ -27,6 +27,15 @@ class Target:
 
     def __post_init__(self):
         self.params = serving_layout(self.params, self.layout)
+
+    @property
+    def model(self) -> Decoder:
+        """The target as a Flax NNX module holding the same arrays as `params` (nothing is copied).
+
+        For notebooks: `nnx.display(target.model)`, `target.model(token_ids)` (fp32 logits for every
+        position). The loops take `params` (the module's state as a dict) and merge it inside their jit.
+        """
+        return merge(self.cfg, self.params)
 
     def encode(self, text: str) -> list[int]:
         return self._need_tokenizer().encode(text).ids

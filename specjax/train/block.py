@@ -67,17 +67,10 @@ import optax
 from specjax.config import ModelConfig, RopeConfig
 from specjax.drafters import dspark
 from specjax.drafters.dflash import BlockConfig, context_features, param_shapes, vocab_logits
+from specjax.models._legacy import attn_out_and_mlp, project_qkv, qkv
 from specjax.models.cache import init_cache
-from specjax.models.decoder import (
-    attn_out_and_mlp,
-    forward,
-    has_layer_list,
-    lm_head,
-    project_qkv,
-    qkv,
-    rms_norm,
-    rope_inv_freq,
-)
+from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.layers import rms_norm, rope_inv_freq
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
 

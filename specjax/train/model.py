@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import ModelConfig
-from specjax.models.decoder import attn_out_and_mlp, lm_head, qkv, rms_norm, rope_inv_freq, stacked_layers
+from specjax.models._legacy import attn_out_and_mlp, qkv
+from specjax.models.decoder import lm_head, stacked_layers
+from specjax.models.layers import rms_norm, rope_inv_freq
 
 NEG_INF = -1e30
 

@@ -57,8 +57,10 @@ from specjax.config import ModelConfig
 from specjax.convert.export import NP_DTYPES, write_hf_dir
 from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
 from specjax.drafters import mtp
+from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import init_cache
-from specjax.models.decoder import attn_out_and_mlp, forward, has_layer_list, init_params, lm_head, qkv, rope_inv_freq
+from specjax.models.decoder import forward, has_layer_list, init_params, lm_head
+from specjax.models.layers import rope_inv_freq
 from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
 from specjax.train.losses import LossFn
 
