@@ -41,9 +41,8 @@ from specjax.bench.ar import MICRO_PRESET, PRESETS, machine_info, random_prompts
 from specjax.bench.spec import random_model
 from specjax.decoding.request import round_cache_length
 from specjax.decoding.scheduler import verify_widths
-from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head, unstack_layers
+from specjax.models.decoder import has_layer_list, merge, unstack_layers
 from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
 from specjax.planning.profile import DEVICES, CostModel, Profile, Roofline, device_kind, model_name, time_verify_round
 
@@ -120,26 +119,28 @@ def packed_forward(params, cfg, tokens_T, row_T, slot_T, cache, width: int, impl
     """Logits [T, V] of T tokens packed into one [1, T] pass: token t belongs to row row_T[t] at slot slot_T[t]
     after that row's prefix. Projections, MLP and lm_head run on the T tokens only; attention scatters
     them into a [B, width] window per row (causal inside it) and reads each row's own cache."""
+    model = merge(cfg, params)
     b = cache.lengths.shape[0]
     pos_1T = (cache.lengths[row_T] + slot_T)[None]
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-    h_1TD = params["embed"][tokens_T][None]
+    h_1TD = model.embed[...][tokens_T][None]
     mask_BWW = jnp.broadcast_to(causal_mask(width), (b, width, width))
     k_caches, v_caches = list(cache.k), list(cache.v)
-    for i, p in enumerate(params["layers"]):
-        q, k, v = qkv(cfg, p, h_1TD, pos_1T, inv_freq)
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(h_1TD, pos_1T, inv_freq)
         spread = lambda x: jnp.zeros((b, width, *x.shape[2:]), x.dtype).at[row_T, slot_T].set(x[0])  # noqa: E731
         o_BWHD, k_caches[i], v_caches[i] = cached_attention(spread(q), spread(k), spread(v), k_caches[i],
                                                             v_caches[i], None, cache.lengths, mask_BWW, impl)
-        h_1TD = attn_out_and_mlp(cfg, p, h_1TD, o_BWHD[row_T, slot_T][None])
-    h_1TD = rms_norm(h_1TD, params["final_norm"], cfg.rms_norm_eps)
-    return lm_head(params, cfg, h_1TD)[0], (tuple(k_caches), tuple(v_caches))
+        h_1TD = layer.attn_out_and_mlp(h_1TD, o_BWHD[row_T, slot_T][None])
+    h_1TD = rms_norm(h_1TD, model.final_norm[...], cfg.rms_norm_eps)
+    return model.logits(h_1TD)[0], (tuple(k_caches), tuple(v_caches))
 
 
 def padded_forward(params, cfg, tokens_BW, cache, impl: str):
     """Design (a): logits [B, w, V] of every row's w nodes (the fixed-width pass)."""
-    h, _, cache = forward(params, cfg, tokens_BW, cache, attn_impl=impl)
-    return lm_head(params, cfg, h), (cache.k, cache.v)
+    model = merge(cfg, params)
+    h, _, cache = model.forward(tokens_BW, cache, attn_impl=impl)
+    return model.logits(h), (cache.k, cache.v)
 
 
 def _time(fn, cache, repeats: int) -> float:

@@ -5,7 +5,7 @@ least-squares line it replaced, from the same timings, next to measured runs.
     python scripts/loop_correction_check.py --alpha 0.6 --batches 1,4
 
 For the embedded target and the tree replay drafter: acceptance from a pooled calibration run, loop timings
-(`calibration.run_times` of planner.TIMED_CHAINS) and verify passes (`profile.cost_for_run`), as "auto"
+(`calibration.run_times` of auto.TIMED_CHAINS) and verify passes (`profile.cost_for_run`), as "auto"
 measures them; then plain decoding, chains 1..8 and the DP's trees of 8, 9 and 16 nodes measured
 interleaved (`bench_plan.measure_shapes`), each predicted for the call under both corrections. Prints
 every shape and the median |predicted - measured| / measured per correction.

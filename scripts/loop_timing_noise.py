@@ -4,7 +4,7 @@
     python scripts/loop_timing_noise.py --batch 16 --repeats 3,7
 
 For the embedded target and the tree replay drafter (acceptance --alpha) on the manifest's held-out
-prompts: per setting of `repeats`, --trials calls of run_times (plain decoding and planner.TIMED_CHAINS
+prompts: per setting of `repeats`, --trials calls of run_times (plain decoding and auto.TIMED_CHAINS
 timed in the loop), each call's medians (ms per plain step and per round) and its noise estimate (the
 relative standard error behind "auto"'s margin). Steady medians and a steady noise estimate across
 trials are what a plan needs; the spread of the medians across trials is the error a plan inherits.

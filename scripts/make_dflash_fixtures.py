@@ -211,6 +211,8 @@ def round_trip(torch, transformers, dmodel, head_dir: Path, target_dir: Path, se
 
     import specjax
     from specjax.drafters import dflash
+    from specjax.loading.drafter import dflash_drafter
+    from specjax.models.cache import KVCache
 
     target = specjax.load(target_dir, dtype="float32", attn_impl="xla")
     raw = json.loads((head_dir / "config.json").read_text())
@@ -226,7 +228,7 @@ def round_trip(torch, transformers, dmodel, head_dir: Path, target_dir: Path, se
     embed = torch.from_numpy(np.array(target.params["embed"], np.float32))
     head = embed if target.cfg.tie_word_embeddings else torch.from_numpy(np.array(target.params["lm_head"],
                                                                                      np.float32).T)
-    drafter = dflash.dflash_drafter(head_dir, target, dtype="float32", attn_impl="xla")
+    drafter = dflash_drafter(head_dir, target, dtype="float32", attn_impl="xla")
     cfg, params = drafter.cfg, drafter.params
     gen = torch.Generator().manual_seed(0)
     n = cfg.num_taps
@@ -242,12 +244,12 @@ def round_trip(torch, transformers, dmodel, head_dir: Path, target_dir: Path, se
         theirs = (hidden[:, 1:] @ head.T).numpy()
         their_k = cache.layers[0].keys.numpy()
     taps = tuple(jnp.asarray(f) for f in np.split(feats.numpy(), n, axis=-1))
-    kv = dflash.init_block_cache(cfg, 1, 64, per_layer=dflash.has_layer_list(params))
-    kv = dflash.write_context(cfg, params, dflash.context_features(cfg, params, taps), kv)
-    kv = dflash.KVCache(kv.k, kv.v, kv.lengths + seq)
-    h, kv = dflash.block_hidden(cfg, params, dflash.block_embeddings(cfg, params["embed"], jnp.asarray(anchor.numpy())),
-                                kv, attn_impl="xla")
-    ours = np.asarray(dflash.vocab_logits(params, h[:, 1:]))
+    backbone, vocab = dflash.backbone(cfg, params), dflash.tables(cfg, params)
+    kv = backbone.init_cache(1, 64)
+    kv = backbone.write_context(backbone.context(taps), kv)
+    kv = KVCache(kv.k, kv.v, kv.lengths + seq)
+    h, kv = backbone.block_hidden(vocab.block_embeddings(jnp.asarray(anchor.numpy())), kv, attn_impl="xla")
+    ours = np.asarray(vocab.logits(h[:, 1:]))
     k0 = np.asarray(kv.k[0])[:, :seq].transpose(0, 2, 1, 3)  # layer 0's [B, S, Hkv, D] in either layout
     ok = True
     for name, a, b in (("block logits", ours, theirs), ("layer-0 context K", k0, their_k)):

@@ -182,7 +182,7 @@ def round_trip(torch, cnets, head_dir: Path, target_dir: Path, batch: int = 2, s
 
     import specjax
     from specjax.convert.eagle3 import load_eagle3
-    from specjax.drafters.eagle3 import draft_logits, fuse_features, init_head_cache, midlayer
+    from specjax.drafters.eagle3 import head_of, init_head_cache
     from specjax.models.cache import KVCache
 
     target = specjax.load(target_dir, dtype="float32", attn_impl="xla")
@@ -213,14 +213,15 @@ def round_trip(torch, cnets, head_dir: Path, target_dir: Path, batch: int = 2, s
     hcfg, host = load_eagle3(head_dir, target.cfg, "float32")
     params = {k: v for k, v in host.items()}
     params = {**params, "embed": jnp.asarray(state["embed_tokens.weight"].numpy())}
+    head = head_of(hcfg, params)
     cache = init_head_cache(hcfg, batch, 128)
-    h1, cache = midlayer(hcfg, params, jnp.asarray(ids.numpy()), fuse_features(params, jnp.asarray(features.numpy())),
-                         cache, attn_impl="xla")
+    h1, cache = head.midlayer(jnp.asarray(ids.numpy()), head.fuse(jnp.asarray(features.numpy())), cache,
+                              attn_impl="xla")
     cache = KVCache(cache.k, cache.v, cache.lengths + seq)
-    h2, _ = midlayer(hcfg, params, jnp.asarray(ids2.numpy()), h1[:, -1:], cache, attn_impl="xla")
+    h2, _ = head.midlayer(jnp.asarray(ids2.numpy()), h1[:, -1:], cache, attn_impl="xla")
     ok = True
-    for name, ours, theirs in (("step1", draft_logits(hcfg, params, h1), logits1),
-                               ("step2", draft_logits(hcfg, params, h2), logits2)):
+    for name, ours, theirs in (("step1", head.draft_logits(h1), logits1),
+                               ("step2", head.draft_logits(h2), logits2)):
         diff = float(np.max(np.abs(np.asarray(ours) - theirs.numpy())))
         scale = float(np.max(np.abs(theirs.numpy())))
         print(f"{name} draft logits: max |specjax - original| = {diff:.2e} (max |logit| {scale:.2f})")

@@ -30,14 +30,7 @@ from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DFlashDrafter
-from specjax.drafters.dflash import (
-    BlockConfig,
-    block_embeddings,
-    block_hidden,
-    drafter_params,
-    init_block_cache,
-    init_params,
-)
+from specjax.drafters.dflash import BlockConfig, backbone, drafter_params, init_params, tables
 from specjax.loading.drafter import dflash_drafter, load_drafter
 from specjax.models.decoder import init_params as init_target_params
 from specjax.models.target import Target
@@ -95,8 +88,8 @@ def rounds(request, io):
     state = init(params, PrefillContext(prompt, jnp.full((b,), t, jnp.int32), root,
                                                 split_taps(io["r1_features"])))
     draft1, state1 = propose(params, state, root, None)
-    hidden1, _ = jax.jit(block_hidden, static_argnums=0, static_argnames="attn_impl")(
-        drafter.cfg, params, block_embeddings(drafter.cfg, params["embed"], root), state, attn_impl="xla")
+    hidden1, _ = jax.jit(lambda params, state: backbone(drafter.cfg, params).block_hidden(
+        tables(drafter.cfg, params).block_embeddings(root), state, attn_impl="xla"))(params, state)
     second = {}
     rng = np.random.default_rng(0)
     for a in ACCEPTED:
@@ -155,7 +148,7 @@ def test_update_has_no_matmul_over_the_cache_length(io):
     """The update pass's matrix products run over the N verified nodes, never over the cache's S rows."""
     drafter = fixture_drafter(io, per_layer=True)
     b, n, s = 2, K + 1, 80  # S chosen so no weight or activation dimension equals it
-    state = init_block_cache(drafter.cfg, b, s)
+    state = backbone(drafter.cfg, drafter.params).init_cache(b, s)
     feats = tuple(jnp.zeros((b, n, 32)) for _ in range(3))
     draft, _ = drafter.propose(drafter.params, state, jnp.zeros((b,), jnp.int32), None)
     verdict = Verdict(jnp.zeros((b, n), jnp.int32), jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
@@ -319,7 +312,7 @@ def test_chain_too_long_or_tree_is_refused(target, drafter, prompts):
 
 def test_auto_plans_chains_no_longer_than_a_block(target, drafter, prompts, plain, monkeypatch):
     """num_draft_tokens="auto" never asks a block drafter for more drafts than one block gives."""
-    from specjax.planning import planner
+    from specjax.planning import auto, planner
 
     seen = {}
     real_plan = planner.plan
@@ -328,7 +321,7 @@ def test_auto_plans_chains_no_longer_than_a_block(target, drafter, prompts, plai
         seen["max_chain"] = kwargs["max_chain"]
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "plan", spy)
+    monkeypatch.setattr(auto, "plan", spy)
     out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
                            num_draft_tokens="auto")
     assert seen["max_chain"] == drafter.max_draft_tokens == K

@@ -29,7 +29,7 @@ from specjax.decoding.sampling import sampling_logprobs
 from specjax.decoding.tree import chain
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DSparkDrafter, confidence, dspark
-from specjax.drafters.dflash import BlockConfig, block_embeddings, block_hidden, vocab_logits
+from specjax.drafters.dflash import BlockConfig
 from specjax.loading.drafter import drafter_family, dspark_drafter
 from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, init_params, lm_head
@@ -78,11 +78,12 @@ def taps(drafter, feats_TF):
 
 def one_round(drafter, state, anchor: int):
     """propose once; also the backbone logits U the Markov step started from."""
-    params, cfg = drafter.params, drafter.cfg.block
+    params = drafter.params
+    net = dspark.networks(drafter.cfg, params)
     anchor_B = jnp.asarray([anchor], jnp.int32)
-    h_BGH, _ = block_hidden(cfg, params, block_embeddings(cfg, params["embed"], anchor_B), state, attn_impl="xla")
+    h_BGH, _ = net.backbone.block_hidden(net.tables.block_embeddings(anchor_B), state, attn_impl="xla")
     draft, _ = drafter.propose(params, state, anchor_B, jax.random.split(jax.random.key(0), 1))
-    return draft, vocab_logits(params, h_BGH)[0]
+    return draft, net.tables.logits(h_BGH)[0]
 
 
 def check_round(drafter, io, prefix: str, draft, u, state, what: str):

@@ -53,13 +53,14 @@ def kv_rows(cache, t: int):
 def case(request):
     cfg, params, io = load_case(request.param)
     b, t = io["ids_BT"].shape
+    head = eagle3.head_of(cfg, params)
     cache = eagle3.init_head_cache(cfg, b, 32)
-    h_BTD = eagle3.fuse_features(params, jnp.asarray(io["features_BTF"]))
-    h1, cache = eagle3.midlayer(cfg, params, jnp.asarray(io["ids_BT"]), h_BTD, cache)
-    first = dict(hidden=h1, logits=eagle3.draft_logits(cfg, params, h1), kv=kv_rows(cache, t))
+    h_BTD = head.fuse(jnp.asarray(io["features_BTF"]))
+    h1, cache = head.midlayer(jnp.asarray(io["ids_BT"]), h_BTD, cache)
+    first = dict(hidden=h1, logits=head.draft_logits(h1), kv=kv_rows(cache, t))
     cache = eagle3.KVCache(cache.k, cache.v, cache.lengths + t)
-    h2, cache = eagle3.midlayer(cfg, params, jnp.asarray(io["step2_ids"]), h1[:, -1:], cache)
-    second = dict(hidden=h2, logits=eagle3.draft_logits(cfg, params, h2), kv=kv_rows(cache, t + 1))
+    h2, cache = head.midlayer(jnp.asarray(io["step2_ids"]), h1[:, -1:], cache)
+    second = dict(hidden=h2, logits=head.draft_logits(h2), kv=kv_rows(cache, t + 1))
     return request.param, cfg, params, io, first, second
 
 
@@ -80,9 +81,9 @@ def test_second_step_continues_the_cache_like_the_original(case):
 
 
 def test_draft_ids_map_to_the_target_ids_the_original_fed_back(case):
-    _, _, params, io, first, _ = case
+    _, cfg, params, io, first, _ = case
     draft_ids = jnp.argmax(first["logits"][:, -1], axis=-1)
-    np.testing.assert_array_equal(eagle3.to_target_ids(params, draft_ids), io["step2_ids"][:, 0])
+    np.testing.assert_array_equal(eagle3.head_of(cfg, params).to_target_ids(draft_ids), io["step2_ids"][:, 0])
 
 
 def test_rope_base_comes_from_the_head_config():
@@ -93,8 +94,9 @@ def test_rope_base_comes_from_the_head_config():
 def test_target_logits_place_draft_logits_at_their_target_ids():
     cfg, params, io = load_case("rope_theta")
     logits = jnp.asarray(io["step1_logits"][0, -1])
-    full = eagle3.target_logits(cfg, params, logits)
-    ids = eagle3.to_target_ids(params, jnp.arange(cfg.draft_vocab_size))
+    head = eagle3.head_of(cfg, params)
+    full = head.target_logits(logits)
+    ids = head.to_target_ids(jnp.arange(cfg.draft_vocab_size))
     np.testing.assert_array_equal(full[ids], logits)
     assert int(jnp.sum(jnp.isfinite(full))) == cfg.draft_vocab_size
     assert int(jnp.argmax(full)) == int(ids[jnp.argmax(logits)])

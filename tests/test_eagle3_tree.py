@@ -27,7 +27,7 @@ from specjax.convert.eagle3 import load_eagle3
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, from_choices, kary, parse_tree
 from specjax.decoding.verify import Verdict
-from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, draft_logits, init_params, midlayer
+from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, head_of, init_params
 from specjax.loading.drafter import eagle3_drafter
 from specjax.models.cache import KVCache
 
@@ -119,14 +119,15 @@ def chain_oracle(drafter: Eagle3Drafter, prompt, root: int, feats_T):
     def run(path_L):
         ctx = PrefillContext(jnp.asarray([prompt], jnp.int32), jnp.asarray([p], jnp.int32), jnp.asarray([root]),
                              tuple(f[None] for f in feats_T))
+        head = head_of(cfg, params)
         cache, h_D = drafter.init(params, ctx)
-        out = [draft_logits(cfg, params, h_D[:, None])[0, 0]]
+        out = [head.draft_logits(h_D[:, None])[0, 0]]
         h_11D = h_D[:, None]
         for i in range(max_path):
-            h_11D, c = midlayer(cfg, params, path_L[i][None, None], h_11D, KVCache(cache.k, cache.v, cache.lengths + i),
-                                attn_impl="xla")
+            h_11D, c = head.midlayer(path_L[i][None, None], h_11D, KVCache(cache.k, cache.v, cache.lengths + i),
+                                     attn_impl="xla")
             cache = KVCache(c.k, c.v, cache.lengths)
-            out.append(draft_logits(cfg, params, h_11D)[0, 0])
+            out.append(head.draft_logits(h_11D)[0, 0])
         return jax.nn.log_softmax(jnp.stack(out), axis=-1)
 
     memo = {}

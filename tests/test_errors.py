@@ -342,10 +342,10 @@ def test_cli_user_errors_are_one_line_for_every_subcommand(tmp_path, capsys):
 
 
 def test_cli_folds_multi_line_messages(monkeypatch, capsys):
-    import specjax.models.target
+    import specjax.loading.target
 
     def convert(*args, **kwargs):
         raise ValueError("first line\nsecond line")
 
-    monkeypatch.setattr(specjax.models.target, "convert", convert)
+    monkeypatch.setattr(specjax.loading.target, "convert", convert)
     _assert_one_line_error(*_cli(capsys, "convert", "a", "b"), "first line second line")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,8 @@ import torch
 from hf_tiny import FAMILIES, build_hf_model, save_hf_model
 
 import specjax
-from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, lm_head
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.decoder import Decoder, forward, merge, with_layout
 
 # fp32 everywhere; observed max |diff| is ~1e-5 on logits of magnitude ~10.
 LOGIT_ATOL = 2e-4
@@ -28,16 +29,33 @@ def family_pair(request, tmp_path_factory):
     return request.param, hf_model, specjax.load(path)
 
 
-def test_logits_match_transformers(family_pair):
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "stacked"])
+def test_logits_match_transformers(family_pair, per_layer):
+    """The Flax module's plain forward (`target.model(ids)`, what a notebook calls) in either layer layout."""
     _, hf_model, target = family_pair
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, target.cfg.vocab_size, size=(2, 40))
     with torch.no_grad():
         ref = hf_model(torch.tensor(tokens)).logits.numpy()
-    cache = init_cache(target.cfg, 2, 64)
-    h, _, _ = forward(target.params, target.cfg, jnp.asarray(tokens, jnp.int32), cache, attn_impl="xla")
-    got = np.asarray(lm_head(target.params, target.cfg, h))
-    np.testing.assert_allclose(got, ref, atol=LOGIT_ATOL, rtol=0)
+    model = merge(target.cfg, with_layout(target.params, per_layer))
+    assert isinstance(model, Decoder) and model.per_layer == per_layer
+    chex.assert_trees_all_close(np.asarray(model(tokens, attn_impl="xla")), ref, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_cached_forward_equals_the_plain_forward(family_pair):
+    """Prefill 25 tokens, then the rest one at a time through the cache: the logits of one pass over all 40."""
+    _, _, target = family_pair
+    tokens = jnp.asarray(np.random.default_rng(4).integers(3, target.cfg.vocab_size, size=(2, 40)), jnp.int32)
+    model = target.model
+    cache = model.init_cache(2, 64)
+    h, _, cache = model.forward(tokens[:, :25], cache, attn_impl="xla")
+    steps = [model.logits(h)]
+    cache = KVCache(cache.k, cache.v, cache.lengths + 25)
+    for t in range(25, 40):
+        h, _, cache = model.forward(tokens[:, t:t + 1], cache, attn_impl="xla")
+        cache = KVCache(cache.k, cache.v, cache.lengths + 1)
+        steps.append(model.logits(h))
+    chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), model(tokens, attn_impl="xla"), atol=1e-4, rtol=0)
 
 
 def test_hidden_state_capture_matches_hf_numbering(family_pair):
@@ -46,8 +64,9 @@ def test_hidden_state_capture_matches_hf_numbering(family_pair):
     with torch.no_grad():
         hs = hf_model(torch.tensor(tokens), output_hidden_states=True).hidden_states
     n = target.cfg.num_layers
-    _, captured, _ = forward(target.params, target.cfg, jnp.asarray(tokens, jnp.int32), init_cache(target.cfg, 1, 16),
-                             capture=(0, 1, n - 1), attn_impl="xla")
+    model = target.model
+    _, captured, _ = model.forward(jnp.asarray(tokens, jnp.int32), model.init_cache(1, 16), capture=(0, 1, n - 1),
+                                   attn_impl="xla")
     for got, i in zip(captured, (0, 1, n - 1)):
         np.testing.assert_allclose(np.asarray(got), hs[i].numpy(), atol=1e-4, rtol=0)
 

@@ -50,29 +50,29 @@ def case(request):
 def test_parity_with_vllm_steps_and_kv(case):
     """Prefill through every layer, then later steps fed the previous hidden: hidden, logits, K/V at 1e-5."""
     name, _, drafter, io = case
-    cfg, params = drafter.cfg, drafter.params
+    cfg, head = drafter.cfg, mtp.head_of(drafter.cfg, drafter.params)
     cache = mtp.init_head_cache(cfg, 1, 32)
     ks, vs = list(cache.k), list(cache.v)
     ids_BT, h_BTD = jnp.asarray(io["ids"])[None], jnp.asarray(io["h_prev"])[None]
     t = ids_BT.shape[1]
     first = {}
     for j in range(cfg.num_layers):
-        out, ks[j], vs[j] = mtp.head_step(cfg, params, j, ids_BT, h_BTD, ks[j], vs[j], jnp.zeros((1,), jnp.int32))
-        close(mtp.feedback(cfg, params, j, out)[0], io[f"step1_l{j}_hidden"], f"{name} step 1 layer {j} hidden")
-        close(mtp.head_logits(cfg, params, j, out)[0], io[f"step1_l{j}_logits"], f"{name} step 1 layer {j} logits")
+        out, ks[j], vs[j] = head.step(j, ids_BT, h_BTD, ks[j], vs[j], jnp.zeros((1,), jnp.int32))
+        close(head.feedback(j, out)[0], io[f"step1_l{j}_hidden"], f"{name} step 1 layer {j} hidden")
+        close(head.logits(j, out)[0], io[f"step1_l{j}_logits"], f"{name} step 1 layer {j} logits")
         first[j] = out
     last, prev_layer, uses, s = first[0][:, -1], 0, [0] * cfg.num_layers, 1
     while f"step{s + 1}_ids" in io:
         j = int(io[f"step{s + 1}_layer"])
         assert j == s % cfg.num_layers
-        tok_B = jnp.argmax(mtp.head_logits(cfg, params, prev_layer, last), axis=-1)
+        tok_B = jnp.argmax(head.logits(prev_layer, last), axis=-1)
         np.testing.assert_array_equal(tok_B, io[f"step{s + 1}_ids"])
-        h_B1D = mtp.feedback(cfg, params, prev_layer, last)[:, None]
-        out, ks[j], vs[j] = mtp.head_step(cfg, params, j, tok_B[:, None], h_B1D, ks[j], vs[j],
-                                          jnp.asarray([t + uses[j]]), positions_BT=jnp.asarray([[t - 1 + s]]))
+        h_B1D = head.feedback(prev_layer, last)[:, None]
+        out, ks[j], vs[j] = head.step(j, tok_B[:, None], h_B1D, ks[j], vs[j], jnp.asarray([t + uses[j]]),
+                                      positions_BT=jnp.asarray([[t - 1 + s]]))
         uses[j] += 1
-        close(mtp.feedback(cfg, params, j, out)[0], io[f"step{s + 1}_hidden"], f"{name} step {s + 1} hidden")
-        close(mtp.head_logits(cfg, params, j, out)[0], io[f"step{s + 1}_logits"], f"{name} step {s + 1} logits")
+        close(head.feedback(j, out)[0], io[f"step{s + 1}_hidden"], f"{name} step {s + 1} hidden")
+        close(head.logits(j, out)[0], io[f"step{s + 1}_logits"], f"{name} step {s + 1} logits")
         last, prev_layer, s = out[:, 0], j, s + 1
     assert s == 3
     for j in range(cfg.num_layers):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.decoding.tree import TreeSpec, chain, child_ranks, kary
-from specjax.planning import calibration, planner
+from specjax.planning import auto, calibration, planner
 from specjax.planning.planner import (
     best_tree,
     best_trees,
@@ -323,9 +323,9 @@ def test_generate_auto_off_runs_the_plain_loop(tiny_pair, monkeypatch):
     import specjax
 
     target, drafter, prompts = tiny_pair
-    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(
+    monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(
         batches[0], planner.Scored(planner.Shape("off", None, 1.0), 1.0, 1.0), None)])
-    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    monkeypatch.setattr(auto, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["drafter_calls"] == 0
     assert out.tokens == specjax.generate(target, prompts, max_new_tokens=12).tokens
@@ -456,9 +456,9 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
     import specjax
 
     target, drafter, prompts = tiny_pair
-    near_tie = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1 + planner.AUTO_MIN_GAIN / 2)
-    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], near_tie, None)])
-    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    near_tie = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1 + auto.AUTO_MIN_GAIN / 2)
+    monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], near_tie, None)])
+    monkeypatch.setattr(auto, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["best_predicted"] == "chain:2"
     assert out.stats["drafter_calls"] == 0
@@ -473,11 +473,11 @@ def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
 
     target, drafter, prompts = tiny_pair
     real = calibration.run_times
-    monkeypatch.setattr(calibration, "run_times",
+    monkeypatch.setattr(auto, "run_times",
                         lambda *a, **k: dataclasses.replace(real(*a, **k), noise=(0.01, 0.05, 0.3, 0.3, 0.4)))
     gain = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1.08)
-    monkeypatch.setattr(planner, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
-    monkeypatch.setattr(planner, "_AUTO_PLANS", None)
+    monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
+    monkeypatch.setattr(auto, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["margin"] == pytest.approx(0.1)
     times = RunTimes(0.01, ((2, 1, 0.02), (3, 2, 0.02), (5, 4, 0.02), (9, 8, 0.02)), 0.0, (0.01, 0.05, 0.3, 0.4))
@@ -518,15 +518,13 @@ def test_rounds_timed_in_the_loop_correct_the_pass_costs(tiny_pair, tmp_path, mo
 def test_a_planned_tree_pays_its_own_drafting(monkeypatch):
     """A draft model's tree levels cost more than the chain of the same depth: the pick is rescored with the
     difference (timed on the tree itself), which can hand the win to the runner-up."""
-    from specjax.planning import profile
-
     times = {"tree": 0.005, "chain": 0.001}
-    monkeypatch.setattr(profile, "time_propose", lambda target, drafter, batch, shape, cache_len, repeats=3: (
+    monkeypatch.setattr(auto, "time_propose", lambda target, drafter, batch, shape, cache_len, repeats=3: (
         times["chain"] if isinstance(shape, int) else times["tree"], []))
     cost = CostModel(lambda b, n: 0.002 * n, lambda b, d: 0.001 * d, "test", lambda b: 0.003)
     shape = planner.shape_of(kary([3, 1]), (0.6, 0.2))  # 7 nodes, depth 2: rounds of 16 ms as modelled
     tree = planner.score(shape, 4, cost.verify_s, cost.draft_s, cost.plain_s)
-    rescored = planner.tree_with_its_drafting(tree, None, None, 4, 64, cost)
+    rescored = auto.tree_with_its_drafting(tree, None, None, 4, 64, cost)
     assert tree.round_s == pytest.approx(0.016) and rescored.round_s == pytest.approx(0.020)
     assert rescored.speedup == pytest.approx(shape.tau * 0.003 / 0.020)
 

@@ -86,16 +86,16 @@ def test_training_forward_equals_serving(tgt, tokens, family):
     full = tb.serving_params(cfg, head, frozen)
     taps, _ = tb.target_taps_and_logits(tparams, tcfg, tokens, block.feature_layers)
     anchors_BA = jnp.asarray([ANCHORS], jnp.int32)
-    h_AKH = tb.anchor_hidden(block, full, taps, tokens, anchors_BA)[0]  # all anchors in one pass
-    # serving's functions, one anchor per row: context rows 0..a-1, then the block at a
+    backbone, vocab = dfl.backbone(block, full), dfl.tables(block, full)
+    h_AKH = tb.anchor_hidden(backbone, vocab, taps, tokens, anchors_BA)[0]  # all anchors in one pass
+    # serving's methods, one anchor per row: context rows 0..a-1, then the block at a
     b = len(ANCHORS)
-    cache = dfl.init_block_cache(block, b, S + 16, per_layer=False)  # full: stacked layers, as training
-    ctx = dfl.context_features(block, full, tuple(jnp.broadcast_to(f, (b, *f.shape[1:])) for f in taps))
-    cache = dfl.write_context(block, full, ctx, cache, jnp.zeros((b,), jnp.int32))
+    cache = backbone.init_cache(b, S + 16)  # full: stacked layers, as training
+    ctx = backbone.context(tuple(jnp.broadcast_to(f, (b, *f.shape[1:])) for f in taps))
+    cache = backbone.write_context(ctx, cache, jnp.zeros((b,), jnp.int32))
     cache = KVCache(cache.k, cache.v, jnp.asarray(ANCHORS, jnp.int32))
     roots = tokens[0, jnp.asarray(ANCHORS)]
-    h_serve_AKH, _ = dfl.block_hidden(block, full, dfl.block_embeddings(block, full["embed"], roots), cache,
-                                      attn_impl="xla")
+    h_serve_AKH, _ = backbone.block_hidden(vocab.block_embeddings(roots), cache, attn_impl="xla")
     assert float(jnp.max(jnp.abs(h_serve_AKH))) > 0.5
     np.testing.assert_allclose(h_AKH, h_serve_AKH, atol=1e-5, rtol=1e-5)
     # and the drafter itself (its params layout, its propose)
@@ -103,7 +103,7 @@ def test_training_forward_equals_serving(tgt, tokens, family):
         drafter = DFlashDrafter(block, dfl.drafter_params(head, {"embed": tparams["embed"]}, True, True),
                                 attn_impl="xla")
         d, _, _, draft = served(drafter, drafter.params, taps, tokens, ANCHORS, k - 1)
-        train_logits = dfl.vocab_logits(full, h_AKH[:, 1:])
+        train_logits = vocab.logits(h_AKH[:, 1:])
         np.testing.assert_allclose(draft.logits[:, 1:], train_logits, atol=1e-5, rtol=1e-5)
     else:
         heads = {**{n: v for n, v in head.items() if n.startswith(("markov", "confidence"))},
@@ -112,15 +112,15 @@ def test_training_forward_equals_serving(tgt, tokens, family):
         backbone = {n: v for n, v in head.items() if n not in heads}
         drafter = DSparkDrafter(cfg, dspark.drafter_params(backbone, heads, True), attn_impl="xla")
         _, _, _, draft = served(drafter, drafter.params, taps, tokens, ANCHORS, k)
+        net = dspark.networks(cfg, full)
         prev_AK = tb.prev_tokens(tokens, anchors_BA, k)[0]
-        train_logits_AKV = tb.dspark_logits(cfg, full, h_AKH[None], prev_AK[None])[0]
+        train_logits_AKV = tb.dspark_logits(net, h_AKH[None], prev_AK[None])[0]
         # row 0: both feed the anchor to the Markov head; later rows: the drafter feeds its own drafts
         np.testing.assert_allclose(draft.logits[:, 1], train_logits_AKV[:, 0], atol=1e-4, rtol=1e-5)
-        conf = dspark.calibrated_confidence(full, dspark.confidence_logits(cfg, full, h_AKH, prev_AK))
+        conf = net.confidence.calibrated(net.confidence_logits(h_AKH, prev_AK))
         np.testing.assert_allclose(draft.confidence[:, 1], conf[:, 0], atol=1e-5)
-        teacher = h_serve_AKH, dspark.markov_bias(full, prev_AK[:, 2])
-        np.testing.assert_allclose(train_logits_AKV[:, 2], dfl.vocab_logits(full, teacher[0])[:, 2] + teacher[1],
-                                   atol=1e-4, rtol=1e-5)
+        teacher = net.markov(vocab.logits(h_serve_AKH)[:, 2], prev_AK[:, 2])
+        np.testing.assert_allclose(train_logits_AKV[:, 2], teacher, atol=1e-4, rtol=1e-5)
 
 
 def test_row_weights_are_the_originals():
@@ -150,9 +150,11 @@ def test_dflash_loss_by_hand(tgt):
     frozen = tb.frozen_params(tparams, tcfg)
     batch = hand_batch(k)
     taps, target_SV = tb.target_taps_and_logits(tparams, tcfg, jnp.asarray(batch["tokens"]), cfg.feature_layers)
-    h = tb.anchor_hidden(cfg, tb.serving_params(cfg, head, frozen), taps, jnp.asarray(batch["tokens"]),
+    full = tb.serving_params(cfg, head, frozen)
+    vocab = dfl.tables(cfg, {"embed": tparams["embed"]})
+    h = tb.anchor_hidden(dfl.backbone(cfg, full), vocab, taps, jnp.asarray(batch["tokens"]),
                          jnp.asarray(batch["anchors"]))
-    logq = np.asarray(jax.nn.log_softmax(dfl.vocab_logits({"embed": tparams["embed"]}, h[0]), axis=-1), np.float64)
+    logq = np.asarray(jax.nn.log_softmax(vocab.logits(h[0]), axis=-1), np.float64)
     p_target = np.asarray(jax.nn.softmax(target_SV[0], axis=-1), np.float64)
     t = batch["tokens"][0]
     for objective in ("hard", "soft"):
@@ -174,15 +176,15 @@ def test_dspark_loss_by_hand(tgt):
     k = 5
     cfg, head = random_head("dspark", tcfg, k)
     frozen = tb.frozen_params(tparams, tcfg)
-    full = tb.serving_params(cfg, head, frozen)
+    net = dspark.networks(cfg, tb.serving_params(cfg, head, frozen))
     batch = hand_batch(k)
     tok = jnp.asarray(batch["tokens"])
     taps, target_SV = tb.target_taps_and_logits(tparams, tcfg, tok, cfg.block.feature_layers)
-    h = tb.anchor_hidden(cfg.block, full, taps, tok, jnp.asarray(batch["anchors"]))
+    h = tb.anchor_hidden(net.backbone, net.tables, taps, tok, jnp.asarray(batch["anchors"]))
     prev = tb.prev_tokens(tok, jnp.asarray(batch["anchors"]), k)
-    logits = np.asarray(tb.dspark_logits(cfg, full, h, prev)[0], np.float64)
-    conf = np.asarray(dspark.confidence_logits(cfg, full, h[0].reshape(2 * k, -1), prev[0].reshape(-1))
-                      .reshape(2, k), np.float64)
+    logits = np.asarray(tb.dspark_logits(net, h, prev)[0], np.float64)
+    conf = np.asarray(net.confidence_logits(h[0].reshape(2 * k, -1), prev[0].reshape(-1)).reshape(2, k),
+                      np.float64)
     t = batch["tokens"][0]
     p_target = np.asarray(jax.nn.softmax(target_SV[0], axis=-1), np.float64)
     sums, den = np.zeros(3), 0.0
@@ -255,16 +257,18 @@ def test_written_head_loads_with_the_same_draft_logits(tgt, tokens, tmp_path, fa
             "layers.0.mlp.down_proj.weight"} <= names
     assert ("embed_tokens.weight" in names) == (family == "dspark")
     drafter = specjax.load_drafter(out, target)
-    taps, _ = tb.target_taps_and_logits(tparams, tcfg, tokens, tb.block_of(cfg).feature_layers)
-    h = tb.anchor_hidden(tb.block_of(cfg), tb.serving_params(cfg, head, tb.frozen_params(tparams, tcfg)), taps,
-                         tokens, jnp.asarray([ANCHORS], jnp.int32))[0]
+    block = tb.block_of(cfg)
+    taps, _ = tb.target_taps_and_logits(tparams, tcfg, tokens, block.feature_layers)
+    serving = tb.serving_params(cfg, head, tb.frozen_params(tparams, tcfg))
+    vocab = dfl.tables(block, {"embed": tparams["embed"]})
+    h = tb.anchor_hidden(dfl.backbone(block, serving), vocab, taps, tokens, jnp.asarray([ANCHORS], jnp.int32))[0]
     n = k - 1 if family == "dflash" else k
     _, _, _, draft = served(drafter, drafter.params, taps, tokens, ANCHORS, n)
-    want = dfl.vocab_logits({"embed": tparams["embed"]}, h)
+    want = vocab.logits(h)
     if family == "dflash":
         np.testing.assert_allclose(draft.logits[:, 1:], want[:, 1:], atol=1e-5, rtol=1e-5)
     else:
-        want0 = want[:, 0] + dspark.markov_bias(full, tokens[0, jnp.asarray(ANCHORS)])
+        want0 = dspark.networks(cfg, serving).markov(want[:, 0], tokens[0, jnp.asarray(ANCHORS)])
         np.testing.assert_allclose(draft.logits[:, 1], want0, atol=1e-4, rtol=1e-5)
 
 

@@ -16,7 +16,7 @@ import pytest
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain
-from specjax.drafters.eagle3 import Eagle3Drafter, draft_logits, fuse_features, init_head_cache, midlayer
+from specjax.drafters.eagle3 import Eagle3Drafter, head_of, init_head_cache
 from specjax.models.cache import KVCache, init_cache
 from specjax.models.decoder import forward, init_params, unstack_layers
 from specjax.train import eagle3 as ttt
@@ -59,15 +59,15 @@ def serving_features(tparams, tcfg, prompt_BT):
 def test_step0_equals_serving_prefill_at_every_row(target, head, tokens):
     tcfg, tparams = target
     cfg, trainable, frozen = head
-    params = ttt.full_params(trainable, frozen)
+    net = head_of(cfg, ttt.full_params(trainable, frozen))
     features, _ = ttt.target_features(tparams, tcfg, tokens, TAPS)
-    train0 = ttt.unroll(cfg, params, features, ttt.shift_left(tokens, 1), steps=1)[0]
+    train0 = ttt.unroll(net, features, ttt.shift_left(tokens, 1), steps=1)[0]
 
     taps = serving_features(tparams, tcfg, tokens)
-    h_BTD = fuse_features(params, jnp.concatenate(taps, -1))
+    h_BTD = net.fuse(jnp.concatenate(taps, -1))
     cache = init_head_cache(cfg, tokens.shape[0], 128)
-    served_BTD, _ = midlayer(cfg, params, ttt.shift_left(tokens, 1), h_BTD, cache, attn_impl="xla")
-    served = draft_logits(cfg, params, served_BTD)
+    served_BTD, _ = net.midlayer(ttt.shift_left(tokens, 1), h_BTD, cache, attn_impl="xla")
+    served = net.draft_logits(served_BTD)
     # the last row pairs with a token past the sequence (0 in training, the root when serving)
     np.testing.assert_allclose(train0[:, :-1], served[:, :-1], atol=1e-5, rtol=1e-5)
 
@@ -79,9 +79,10 @@ def test_step_j_equals_chain_drafting_teacher_forced(target, head, tokens, promp
     tcfg, tparams = target
     cfg, trainable, frozen = head
     params = ttt.full_params(trainable, frozen)
+    net = head_of(cfg, params)
     features, _ = ttt.target_features(tparams, tcfg, tokens, TAPS)
     steps = 7
-    train = ttt.unroll(cfg, params, features, ttt.shift_left(tokens, 1), steps=steps)
+    train = ttt.unroll(net, features, ttt.shift_left(tokens, 1), steps=steps)
 
     lens_B = jnp.asarray(prompt_lens, jnp.int32)
     pmax = max(prompt_lens)
@@ -93,12 +94,12 @@ def test_step_j_equals_chain_drafting_teacher_forced(target, head, tokens, promp
     cache, h_BD = drafter.init(params, ctx)
     rows = jnp.arange(2)
     for j in range(steps):
-        served_BV = draft_logits(cfg, params, h_BD[:, None])[:, 0]
+        served_BV = net.draft_logits(h_BD[:, None])[:, 0]
         np.testing.assert_allclose(train[j][rows, lens_B - 1], served_BV, atol=2e-5, rtol=1e-5,
                                    err_msg=f"step {j}")
         draft_B = tokens[rows, lens_B + 1 + j]  # teacher-forced draft j + 1
-        h_B1D, c = midlayer(cfg, params, draft_B[:, None], h_BD[:, None],
-                            KVCache(cache.k, cache.v, cache.lengths + j), attn_impl="xla")
+        h_B1D, c = net.midlayer(draft_B[:, None], h_BD[:, None], KVCache(cache.k, cache.v, cache.lengths + j),
+                                  attn_impl="xla")
         cache, h_BD = KVCache(c.k, c.v, cache.lengths), h_B1D[:, 0]
 
 

@@ -77,11 +77,11 @@ def teacher_forced_init(setup, tokens, prompt_lens, steps=1):
 def test_step0_equals_the_serving_drafters_first_step_at_every_position(setup, tokens):
     _, tcfg, tparams, cfg, layer, frozen = setup
     h_BSD, _ = tm.target_hidden(tparams, tcfg, tokens)
-    train0 = tm.unroll(cfg, tm.serving_params(layer, frozen), h_BSD, tm.shift_left(tokens, 1))[0][0]
+    train0 = tm.unroll(mtp.head_of(cfg, tm.serving_params(layer, frozen)), h_BSD, tm.shift_left(tokens, 1))[0][0]
     # row b: prompt tokens[:b+1], root tokens[b+1]; its first draft pairs h_b with t_{b+1}
     prompt_lens = list(range(1, S))
     drafter, params, state, _, _ = teacher_forced_init(setup, tokens, prompt_lens)
-    served_BV = mtp.head_logits(cfg, params, 0, state[1])
+    served_BV = mtp.head_of(cfg, params).logits(0, state[1])
     assert float(jnp.max(jnp.abs(served_BV))) > 1.0  # not a trivially small comparison
     np.testing.assert_allclose(train0[: S - 1], served_BV, atol=1e-5, rtol=1e-5)
     draft, _ = drafter.propose(params, state, tokens[0, 1:], jax.random.split(jax.random.key(0), S - 1))
@@ -95,17 +95,18 @@ def test_step_j_equals_chain_drafting_teacher_forced(setup, tokens, prompt_lens)
     _, tcfg, tparams, cfg, layer, frozen = setup
     steps = 3
     h_BSD, _ = tm.target_hidden(tparams, tcfg, tokens)
-    train = [x[0] for x in tm.unroll(cfg, tm.serving_params(layer, frozen), h_BSD, tm.shift_left(tokens, 1), steps)]
-    _, params, (cache, last_BD), seq_BS, lens_B = teacher_forced_init(setup, tokens, prompt_lens, steps)
+    head = mtp.head_of(cfg, tm.serving_params(layer, frozen))
+    train = [x[0] for x in tm.unroll(head, h_BSD, tm.shift_left(tokens, 1), steps)]
+    _, _, (cache, last_BD), seq_BS, lens_B = teacher_forced_init(setup, tokens, prompt_lens, steps)
     rows = jnp.arange(len(prompt_lens))
     out_BD, k, v = last_BD, cache.k[0], cache.v[0]
     for j in range(steps):
-        served_BV = mtp.head_logits(cfg, params, 0, out_BD)
+        served_BV = head.logits(0, out_BD)
         np.testing.assert_allclose(train[j][lens_B - 1], served_BV, atol=2e-5, rtol=1e-5, err_msg=f"step {j}")
         draft_B1 = seq_BS[rows, lens_B + 1 + j][:, None]  # teacher-forced draft j + 1
-        h_B1D = mtp.feedback(cfg, params, 0, out_BD)[:, None]
-        out_B1D, k, v = mtp.head_step(cfg, params, 0, draft_B1, h_B1D, k, v, cache.lengths + j,
-                                      positions_BT=(lens_B + j)[:, None], attn_impl="xla")
+        h_B1D = head.feedback(0, out_BD)[:, None]
+        out_B1D, k, v = head.step(0, draft_B1, h_B1D, k, v, cache.lengths + j, positions_BT=(lens_B + j)[:, None],
+                                  attn_impl="xla")
         out_BD = out_B1D[:, 0]
 
 

@@ -34,7 +34,7 @@ from specjax.config import _DTYPE_NAMES, ModelConfig, _rope_from_hf
 from specjax.convert.dflash import HARMLESS_SUFFIXES, LAYER_KEYS, TOP_KEYS, block_params, check_layer_fields
 from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files
 from specjax.drafters.dflash import BlockConfig
-from specjax.drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig
+from specjax.drafters.dspark import MARKOV_HEAD_TYPES, DSparkConfig, param_shapes
 
 ARCHITECTURE = "Qwen3DSparkModel"
 CALIBRATION_FILE = "confidence_calibration.json"
@@ -144,6 +144,7 @@ def head_params(tensors: dict[str, np.ndarray], cfg: DSparkConfig,
     """
     dtype = NP_DTYPES[cfg.block.layers.dtype]
     h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
+    shapes = param_shapes(cfg)  # [in, out]; the checkpoint's matrices are torch [out, in]
 
     def take(name: str, shape: tuple[int, ...], why: str) -> np.ndarray:
         if name not in tensors:
@@ -157,19 +158,18 @@ def head_params(tensors: dict[str, np.ndarray], cfg: DSparkConfig,
     if tables is not None:
         heads = {"embed": np.asarray(tables[0]).astype(dtype), "lm_head": np.asarray(tables[1]).astype(dtype)}
     else:
-        heads = {"embed": take("embed_tokens.weight", (v, h), table).astype(dtype),
-                 "lm_head": take("lm_head.weight", (v, h), table).T.astype(dtype)}
+        heads = {"embed": take("embed_tokens.weight", shapes["embed"], table).astype(dtype),
+                 "lm_head": take("lm_head.weight", shapes["lm_head"][::-1], table).T.astype(dtype)}
     if r:
         markov = f"config.json markov_rank {r} and the vocabulary of {v} tokens"
-        heads["markov_w1"] = take("markov_head.markov_w1.weight", (v, r), markov).astype(dtype)
-        heads["markov_w2"] = take("markov_head.markov_w2.weight", (v, r), markov).astype(dtype)
-    if cfg.confidence:
-        width = cfg.confidence_width
+        heads["markov_w1"] = take("markov_head.markov_w1.weight", shapes["markov_w1"], markov).astype(dtype)
+        heads["markov_w2"] = take("markov_head.markov_w2.weight", shapes["markov_w2"], markov).astype(dtype)
+    if cfg.confidence:  # torch Linear(width, 1): weight [1, width], bias [1]
         why = (f"a confidence head over [hidden {h}" + (f"; Markov rank {r}]" if cfg.confidence_with_markov else "]")
                + " (config.json confidence_head_with_markov)")
-        heads["confidence_w"] = take("confidence_head.proj.weight", (1, width), why)[0].astype(dtype)
-        heads["confidence_b"] = take("confidence_head.proj.bias", (1,), why)[0].astype(dtype)
-        heads["confidence_temperature"] = np.ones((cfg.block_size,), np.float32)
+        heads["confidence_w"] = take("confidence_head.proj.weight", (1, *shapes["confidence_w"]), why)[0].astype(dtype)
+        heads["confidence_b"] = take("confidence_head.proj.bias", (1, *shapes["confidence_b"]), why)[0].astype(dtype)
+        heads["confidence_temperature"] = np.ones(shapes["confidence_temperature"], np.float32)
     return heads
 
 

@@ -65,6 +65,7 @@ from specjax.convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_
 from specjax.drafters.dflash import BlockConfig
 from specjax.drafters.dspark import DSparkConfig
 from specjax.drafters.eagle3 import Eagle3Config
+from specjax.models.decoder import layer_list, unstack_layers
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 EAGLE3_RUN_FILE = "eagle3_head.json"  # in a training run dir: {"config": head config.json, "d2t": [...]}
@@ -118,9 +119,7 @@ def _cast(x, dtype: str) -> np.ndarray:
 
 def model_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
     """transformers' tensors ([out, in]) of a dense decoder's params (stacked or per-layer)."""
-    layers = params["layers"]
-    per_layer = list(layers) if isinstance(layers, (list, tuple)) else [
-        {k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
+    per_layer = layer_list(unstack_layers(params))
     if len(per_layer) != cfg.num_layers:
         raise ValueError(f"params have {len(per_layer)} layers but config.json says {cfg.num_layers}")
     tensors = {"model.embed_tokens.weight": _cast(params["embed"], dtype),
@@ -327,15 +326,12 @@ def dflash_hf_config(cfg: BlockConfig, num_target_layers: int, dtype: str | None
     return config
 
 
-def block_tensors(params: dict, cfg: BlockConfig, dtype: str) -> dict[str, np.ndarray]:
+def block_tensors(params: dict, dtype: str) -> dict[str, np.ndarray]:
     """The backbone's tensors under the originals' names ([in, out] -> torch [out, in]), stacked or per-layer."""
 
     tensors = {name: _cast(np.asarray(params[key]).T if tr else params[key], dtype)
                for key, (name, tr) in BLOCK_TOP_KEYS.items()}
-    layers = params["layers"]
-    per_layer = list(layers) if isinstance(layers, (list, tuple)) else [
-        {k: v[i] for k, v in layers.items()} for i in range(cfg.layers.num_layers)]
-    for i, p in enumerate(per_layer):
+    for i, p in enumerate(layer_list(unstack_layers(params))):
         for key, (name, tr) in BLOCK_LAYER_KEYS.items():
             tensors[f"layers.{i}.{name}"] = _cast(np.asarray(p[key]).T if tr else p[key], dtype)
     return tensors
@@ -345,7 +341,7 @@ def export_dflash(cfg: BlockConfig, params: dict, dst: str | Path, *, num_target
                   dtype: str | None = None, overwrite: bool = False) -> Path:
     """Write a DFlash drafter (block params: fc, hidden_norm, final_norm, layers) in z-lab's format."""
     dtype = dtype or cfg.layers.dtype
-    return write_hf_dir(dst, dflash_hf_config(cfg, num_target_layers, dtype), block_tensors(params, cfg, dtype),
+    return write_hf_dir(dst, dflash_hf_config(cfg, num_target_layers, dtype), block_tensors(params, dtype),
                         overwrite=overwrite)
 
 
@@ -367,7 +363,7 @@ def dspark_hf_config(cfg: DSparkConfig, num_target_layers: int, dtype: str | Non
 def dspark_tensors(params: dict, cfg: DSparkConfig, dtype: str, include_tables: bool = True) -> dict[str, np.ndarray]:
     """DeepSpec's tensors of DSpark params: the backbone, markov_head.*, confidence_head.proj.* and (with
     include_tables) embed_tokens / lm_head [V, H] (a params dict without `lm_head` has a tied one: the embed)."""
-    tensors = block_tensors(params, cfg.block, dtype)
+    tensors = block_tensors(params, dtype)
     if cfg.markov_rank:
         tensors["markov_head.markov_w1.weight"] = _cast(params["markov_w1"], dtype)
         tensors["markov_head.markov_w2.weight"] = _cast(params["markov_w2"], dtype)

@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
-from specjax.models.decoder import param_shapes
+from specjax.drafters.mtp import layer_shapes
 
 _SHOWN = 8
 
@@ -48,13 +48,13 @@ def _layer_keys() -> dict:
 
 
 def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer of the target ([in, out])."""
-    return {k: s[1:] for k, s in param_shapes(cfg)["layers"].items()}
+    """Shapes of one decoder layer of the target ([in, out]): an MTP layer's block."""
+    return layer_shapes(cfg)["block"]
 
 
 def fuse_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h = cfg.hidden_size
-    return {"embed_norm": (h,), "hidden_norm": (h,), "fc": (2 * h, h), "final_norm": (h,)}
+    """Shapes of an MTP layer's own params besides its block: embed_norm, hidden_norm, fc [2H, H], final_norm."""
+    return {k: s for k, s in layer_shapes(cfg).items() if k != "block"}
 
 
 def _layout_names(prefix: str, layout: str) -> dict[str, str]:

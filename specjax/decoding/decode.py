@@ -16,8 +16,8 @@ from jax import lax
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
-from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.cache import KVCache
+from specjax.models.decoder import Decoder, merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +38,12 @@ def is_eos(tok_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tok_B, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params: dict, lc: LoopConfig, cache: KVCache, prompt_BT: jax.Array, prompt_len_B: jax.Array,
+def prefill(model: Decoder, lc: LoopConfig, cache: KVCache, prompt_BT: jax.Array, prompt_len_B: jax.Array,
             capture: tuple[int, ...] = ()):
     """Run right-padded prompts into an empty cache; return last-position logits [B, V], captures, cache."""
-    h_BTD, captured, cache = forward(params, lc.model, prompt_BT, cache, capture=capture, attn_impl=lc.attn_impl)
+    h_BTD, captured, cache = model.forward(prompt_BT, cache, capture=capture, attn_impl=lc.attn_impl)
     last_B1D = jnp.take_along_axis(h_BTD, (prompt_len_B - 1)[:, None, None], axis=1)
-    logits_BV = lm_head(params, lc.model, last_B1D)[:, 0]
+    logits_BV = model.logits(last_B1D)[:, 0]
     return logits_BV, captured, KVCache(cache.k, cache.v, prompt_len_B)
 
 
@@ -62,11 +62,13 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
     Row b samples with its own key stream from (seeds_B[b], fold_B[b]) (see request.row_seeds).
     The cache is allocated inside the jit and carried through the loop, so it never
     crosses the jit boundary: XLA updates it in place with nothing to copy or donate.
+    params: the target's weights as a dict (Target.params), merged into its Decoder module here.
     """
+    model = merge(lc.model, params)
     b = prompt_BT.shape[0]
     keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
-    cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
-    logits_BV, _, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B)
+    cache = model.init_cache(b, lc.cache_len)
+    logits_BV, _, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B)
     tok_B = choose_token(sub_B, logits_BV, lc.sampling)
     out_BO, count_B, done_B = first_token_state(tok_B, max_new_B, lc)
 
@@ -77,10 +79,10 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
     def body(state):
         step, cache, tok_B, out_BO, count_B, done_B, keys_B = state
         keys_B, sub_B = split_rows(keys_B, 2)
-        h_B1D, _, cache = forward(params, lc.model, tok_B[:, None], cache, attn_impl=lc.attn_impl)
+        h_B1D, _, cache = model.forward(tok_B[:, None], cache, attn_impl=lc.attn_impl)
         # Finished rows keep computing (fixed shapes) but stop advancing.
         cache = KVCache(cache.k, cache.v, cache.lengths + (~done_B).astype(jnp.int32))
-        new_B = choose_token(sub_B, lm_head(params, lc.model, h_B1D)[:, 0], lc.sampling)
+        new_B = choose_token(sub_B, model.logits(h_B1D)[:, 0], lc.sampling)
         new_B = jnp.where(done_B, tok_B, new_B)
         out_BO = out_BO.at[jnp.arange(b), jnp.where(done_B, lc.out_len, count_B)].set(new_B, mode="drop")
         count_B = count_B + (~done_B).astype(jnp.int32)

@@ -22,8 +22,7 @@ from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.decoding.speculative import check_drafter_fits
 from specjax.decoding.tree import parse_tree
-from specjax.models.cache import init_cache
-from specjax.models.decoder import has_layer_list
+from specjax.models.decoder import merge
 from specjax.models.target import Target
 
 
@@ -43,8 +42,9 @@ def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_
     """Prefill, choose the root, init the drafter, propose once: (root [B], Draft)."""
     del max_new_B
     keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
-    cache = init_cache(lc.model, prompt_BT.shape[0], lc.cache_len, per_layer=has_layer_list(params))
-    logits_BV, features, _ = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=drafter.feature_layers)
+    model = merge(lc.model, params)
+    cache = model.init_cache(prompt_BT.shape[0], lc.cache_len)
+    logits_BV, features, _ = prefill(model, lc, cache, prompt_BT, prompt_len_B, capture=drafter.feature_layers)
     root_B = choose_token(sub_B, logits_BV, lc.sampling)
     state = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, features))
     draft, _ = drafter.propose(draft_params, state, root_B, keys_B)

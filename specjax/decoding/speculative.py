@@ -32,8 +32,8 @@ from specjax.decoding.scheduler import cost_table, prefix_schedule, verify_width
 from specjax.decoding.stats import SpecStats, record_round, record_width, summarize
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
 from specjax.decoding.verify import Draft, Verdict, verify
-from specjax.models.cache import commit, init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.cache import commit
+from specjax.models.decoder import Decoder, merge
 from specjax.models.target import Target
 
 SCHEDULERS = ("confidence", "prefix")
@@ -52,23 +52,23 @@ class Scheduler:
     widths: tuple[int, ...]
 
 
-def verify_pass(params: dict, lc: LoopConfig, draft: Draft, mask_BNN: jax.Array, depth_BN: jax.Array, cache,
+def verify_pass(model: Decoder, lc: LoopConfig, draft: Draft, mask_BNN: jax.Array, depth_BN: jax.Array, cache,
                 features: tuple[int, ...], keys_B: jax.Array):
     """The target's forward over every node of `draft` (its ancestor mask and depths given) and the verdict:
     (Verdict, node features, cache)."""
     positions_BN = cache.lengths[:, None] + depth_BN
-    h_BND, node_features, cache = forward(params, lc.model, draft.tokens, cache, positions_BT=positions_BN,
-                                          mask_BTT=mask_BNN, capture=features, attn_impl=lc.attn_impl)
-    verdict = verify(draft, mask_BNN, lm_head(params, lc.model, h_BND), lc.sampling, keys_B)
+    h_BND, node_features, cache = model.forward(draft.tokens, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
+                                                capture=features, attn_impl=lc.attn_impl)
+    verdict = verify(draft, mask_BNN, model.logits(h_BND), lc.sampling, keys_B)
     return verdict, node_features, cache
 
 
-def narrow_pass(width: int, params: dict, lc: LoopConfig, features: tuple[int, ...], draft: Draft,
+def narrow_pass(width: int, model: Decoder, lc: LoopConfig, features: tuple[int, ...], draft: Draft,
                 mask_BNN: jax.Array, depth_BN: jax.Array, cache, keys_B: jax.Array):
     """`verify_pass` over the first `width` nodes of a chain (one lax.switch branch), padded back to N nodes."""
     n = draft.tokens.shape[1]
     narrow = jax.tree.map(lambda x: x[:, :width], draft)
-    verdict, node_features, cache = verify_pass(params, lc, narrow, mask_BNN[:, :width, :width],
+    verdict, node_features, cache = verify_pass(model, lc, narrow, mask_BNN[:, :width, :width],
                                                 depth_BN[:, :width], cache, features, keys_B)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     return Verdict(pad(verdict.path), verdict.num_accepted, verdict.bonus), tuple(map(pad, node_features)), cache
@@ -112,13 +112,14 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
     pass with t tokens). Returns (tokens [B, out_len], the round that emitted each token [B, out_len]
     (0 = prefill), counts [B], SpecStats).
     """
+    model = merge(lc.model, params)  # the target's Decoder over its weights dict (Target.params)
     b = prompt_BT.shape[0]
     tree = drafter.settings.tree
     n = tree.num_nodes
     features = drafter.feature_layers
     keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
-    cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
-    logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B, capture=features)
+    cache = model.init_cache(b, lc.cache_len)
+    logits_BV, prompt_features, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B, capture=features)
     root_B = choose_token(sub_B, logits_BV, lc.sampling)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
     out_BO, count_B, done_B = first_token_state(root_B, max_new_B, lc)
@@ -137,11 +138,11 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         mask_BNN = ancestor_mask(draft.parents)
         depth_BN = depths(mask_BNN)
         if sched is None:
-            verdict, node_features, cache = verify_pass(params, lc, draft, mask_BNN, depth_BN, cache, features,
+            verdict, node_features, cache = verify_pass(model, lc, draft, mask_BNN, depth_BN, cache, features,
                                                         k_verify_B)
         else:
             draft, choice = admit(draft, active_B, max_new_B - count_B, seconds_T, sched)
-            branches = [partial(narrow_pass, w, params, lc, features) for w in sched.widths]
+            branches = [partial(narrow_pass, w, model, lc, features) for w in sched.widths]
             verdict, node_features, cache = lax.switch(choice, branches, draft, mask_BNN, depth_BN, cache, k_verify_B)
             stats = record_width(stats, jnp.asarray(sched.widths, jnp.int32)[choice])
         verdict = Verdict(verdict.path, jnp.where(active_B, verdict.num_accepted, 0), verdict.bonus)

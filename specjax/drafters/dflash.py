@@ -39,35 +39,36 @@ The cache has `block_size` (rounded up to 16) rows more than the target's, so a 
 end of the target's cache still has every row (the block is non-causal: a dropped row would
 change the others).
 
-Params ([in, out] matrices, as everywhere in specjax):
-    fc [n*H, H]; hidden_norm [H]; final_norm [H];
-    layers: the decoder's layer keys (`models.decoder.param_shapes(cfg.layers)["layers"]`:
-            attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down and
-            bq/bk/bv with attention_bias), stacked on a leading axis L, or a tuple of per-layer
-            dicts (the CPU layout, `decoder.unstack_layers`); the cache follows the same layout.
-The DFlashDrafter adds the target's `embed` [V, H] and, for an untied target, `lm_head` [H, V]
-(the same arrays, not copies). The block functions below never touch embed / lm_head, so a
-drafter with its own copies (DSpark) calls them unchanged.
+Networks (Flax NNX modules; [in, out] matrices, as everywhere in specjax):
+    BlockBackbone: fc [n*H, H]; hidden_norm [H]; final_norm [H]; layers: `models.decoder.DecoderLayer`s
+            (attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down), stacked on a
+            leading axis L, or an nnx.List of per-layer ones (the CPU layout); the cache follows the layout.
+    Tables: embed [V, H] and lm_head [H, V] (absent for a tied target: the embed scores the rows).
+A drafter's params are one flat dict, the union of its modules' plain dicts (`models.state.to_params`;
+the tree the converters and checkpoints use); `part` merges each module back from its own entries.
+The DFlashDrafter's Tables hold the target's arrays (the same arrays, not copies); the backbone never
+touches them, so a drafter with its own copies (DSpark) runs it unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.decoding.drafter import PrefillContext, Settings, require_chain
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.models._legacy import attn_out_and_mlp, project_qkv, qkv, run_layers
 from specjax.models.cache import KVCache, init_cache, write_layer
-from specjax.models.decoder import has_layer_list, unstack_layers
-from specjax.models.decoder import param_shapes as decoder_shapes
-from specjax.models.layers import cached_attention, rms_norm, rope_inv_freq
+from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
+from specjax.models.layers import normal, param, rms_norm, rope_inv_freq
+from specjax.models.state import module_graph, shapes_of, to_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,130 +102,178 @@ class BlockConfig:
         return len(self.target_layer_ids)
 
 
-# ---- params -------------------------------------------------------------------------------------------------
-
-
-def param_shapes(cfg: BlockConfig) -> dict:
-    """Every block parameter's shape ([in, out] matrices, layers stacked on L); what conversion checks."""
-    h = cfg.hidden_size
-    return {"fc": (cfg.num_taps * h, h), "hidden_norm": (h,), "final_norm": (h,),
-            "layers": decoder_shapes(cfg.layers)["layers"]}
-
-
-def init_params(cfg: BlockConfig, key: jax.Array) -> dict:
-    """Random block params (stacked layers) for tests: norms ~ 1 + 0.1 N(0,1), matrices ~ N(0, 1/fan_in)."""
-    dtype = jnp.dtype(cfg.layers.dtype)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
-
-    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        if "norm" in name:
-            return (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
-        if name in ("bq", "bk", "bv"):
-            return (0.1 * jax.random.normal(k, shape)).astype(dtype)
-        return (shape[-2] ** -0.5 * jax.random.normal(k, shape)).astype(dtype)
-
-    return jax.tree_util.tree_unflatten(treedef, [make(path[-1].key, shape, k)
-                                                  for (path, shape), k in zip(leaves, keys)])
-
-
-def init_block_cache(cfg: BlockConfig, batch: int, max_len: int, per_layer: bool = True) -> KVCache:
-    """The drafter's own KV cache, lengths 0: one [B, S, Hkv, D] buffer per layer, or one stacked [L, ...]."""
-    return init_cache(cfg.layers, batch, max_len, per_layer=per_layer)
-
-
 def block_cache_len(cfg: BlockConfig, target_cache_len: int) -> int:
     """The drafter cache's length: the target's plus a block (rounded up to 16), so no block row is dropped."""
     return target_cache_len + -(-cfg.block_size // 16) * 16
 
 
-# ---- the backbone: context, context K/V, block -------------------------------------------------------------
+# ---- the networks ------------------------------------------------------------------------------------------
 
 
-def context_features(cfg: BlockConfig, params: dict, features: Sequence[jax.Array]) -> jax.Array:
-    """c = hidden_norm(fc(concat(taps))): [B, T, H] from the n taps [B, T, H] each, in target_layer_ids order."""
-    feats_BTF = jnp.concatenate([f.astype(params["fc"].dtype) for f in features], axis=-1)
-    return rms_norm(feats_BTF @ params["fc"], params["hidden_norm"], cfg.layers.rms_norm_eps)
+class BlockBackbone(nnx.Module):
+    """The block backbone: context c = hidden_norm(fc(taps)), decoder layers over context K/V and the block, final norm.
 
-
-def write_context(cfg: BlockConfig, params: dict, ctx_BTH: jax.Array, cache: KVCache, start_B: jax.Array | None = None,
-                  *, positions_BT: jax.Array | None = None) -> KVCache:
-    """Every layer's context K/V for T context rows, written at cache rows start_B + t (start defaults to lengths).
-
-    Each layer projects the same c (no input_layernorm) with its own wk / wv (+ biases), k_norm and
-    RoPE at positions_BT (default start_B + t: the context tokens' own positions). `lengths` are
-    returned unchanged; the caller advances them by the rows it keeps.
+    per_layer: the layers as an nnx.List of `DecoderLayer`s (unrolled; the CPU layout), else one
+    stacked DecoderLayer run under scan. Init: matrices normal(0, scale), norms ones (HF's).
     """
-    t = ctx_BTH.shape[1]
-    if start_B is None:
-        start_B = cache.lengths
-    if positions_BT is None:
-        positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    inv_freq = rope_inv_freq(cfg.layers.rope, cfg.layers.head_dim)
 
-    def layer_fn(p, i, layer, c_BTH, k_cache, v_cache, extra):
-        _, k_BTKD, v_BTKD = project_qkv(cfg.layers, p, c_BTH, positions_BT, inv_freq)  # q unused: DCE'd under jit
-        return c_BTH, write_layer(k_cache, layer, k_BTKD, start_B), write_layer(v_cache, layer, v_BTKD, start_B), extra
+    def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, per_layer: bool = False, scale: float = 0.02):
+        self.cfg = cfg
+        lc, h = cfg.layers, cfg.hidden_size
+        dtype = jnp.dtype(lc.dtype)
+        self.fc = param(normal(rngs, (cfg.num_taps * h, h), dtype, scale), None, "embed")
+        self.hidden_norm = param(jnp.ones((h,), dtype), "embed")
+        if per_layer:
+            self.layers = nnx.List([DecoderLayer(lc, rngs=rngs, scale=scale) for _ in range(lc.num_layers)])
+        else:
+            self.layers = DecoderLayer(lc, rngs=rngs, stacked=lc.num_layers, scale=scale)
+        self.final_norm = param(jnp.ones((h,), dtype), "embed")
 
-    _, (k, v), _ = run_layers(params, cfg.layers, ctx_BTH, cache, layer_fn)
-    return KVCache(k, v, cache.lengths)
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.layers, nnx.List)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """The drafter's own KV cache, lengths 0, in this backbone's layer layout (per-layer buffers or stacked)."""
+        return init_cache(self.cfg.layers, batch, max_len, per_layer=self.per_layer)
+
+    def context(self, features: Sequence[jax.Array]) -> jax.Array:
+        """c = hidden_norm(fc(concat(taps))): [B, T, H] from the n taps [B, T, H] each, in target_layer_ids order."""
+        fc = self.fc[...]
+        feats_BTF = jnp.concatenate([f.astype(fc.dtype) for f in features], axis=-1)
+        return rms_norm(feats_BTF @ fc, self.hidden_norm[...], self.cfg.layers.rms_norm_eps)
+
+    def write_context(self, ctx_BTH: jax.Array, cache: KVCache, start_B: jax.Array | None = None, *,
+                      positions_BT: jax.Array | None = None) -> KVCache:
+        """Every layer's context K/V for T context rows, written at cache rows start_B + t (start defaults to lengths).
+
+        Each layer projects the same c (no input_layernorm) with its own wk / wv (+ biases), k_norm and
+        RoPE at positions_BT (default start_B + t: the context tokens' own positions). `lengths` are
+        returned unchanged; the caller advances them by the rows it keeps.
+        """
+        t = ctx_BTH.shape[1]
+        if start_B is None:
+            start_B = cache.lengths
+        if positions_BT is None:
+            positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        inv_freq = rope_inv_freq(self.cfg.layers.rope, self.cfg.layers.head_dim)
+
+        def layer_fn(layer, i, idx, c_BTH, k_cache, v_cache, extra):
+            _, k_BTKD, v_BTKD = layer.project_qkv(c_BTH, positions_BT, inv_freq)  # q unused: DCE'd under jit
+            return c_BTH, write_layer(k_cache, idx, k_BTKD, start_B), write_layer(v_cache, idx, v_BTKD, start_B), extra
+
+        _, (k, v), _ = run_layers(self.layers, ctx_BTH, cache, layer_fn)
+        return KVCache(k, v, cache.lengths)
+
+    def block_hidden(self, block_emb_BKH: jax.Array, cache: KVCache, start_B: jax.Array | None = None, *,
+                     attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+        """The block's hidden states after the final norm [B, K, H], and the cache with the block's K/V written.
+
+        The K block rows sit at positions start_B .. start_B + K - 1 (start defaults to `lengths`) and
+        attend, with no causal mask, to the cached context rows [0, start) and to all K block rows.
+        The block's K/V land at cache rows start .. start + K - 1, after the context; `lengths` are
+        unchanged (block rows are never committed). Row k's logits (lm_head of row k) predict the token
+        at start + k (DFlash reads rows 1..K-1; DSpark, whose row 0 is already a guess, reads them all).
+        """
+        lc = self.cfg.layers
+        b, k_rows, _ = block_emb_BKH.shape
+        if start_B is None:
+            start_B = cache.lengths
+        positions_BK = start_B[:, None] + jnp.arange(k_rows, dtype=jnp.int32)[None, :]
+        everything_BKK = jnp.ones((b, k_rows, k_rows), jnp.bool_)
+        inv_freq = rope_inv_freq(lc.rope, lc.head_dim)
+
+        def layer_fn(layer, i, idx, h_BKH, k_cache, v_cache, extra):
+            h_BKH, k_cache, v_cache = layer(h_BKH, k_cache, v_cache, idx, start_B, positions_BK, everything_BKK,
+                                            inv_freq, attn_impl)
+            return h_BKH, k_cache, v_cache, extra
+
+        h_BKH, (k, v), _ = run_layers(self.layers, block_emb_BKH.astype(self.fc[...].dtype), cache, layer_fn)
+        return rms_norm(h_BKH, self.final_norm[...], lc.rms_norm_eps), KVCache(k, v, cache.lengths)
+
+    def context_after_prefill(self, ctx: PrefillContext, target_cache_len: int) -> KVCache:
+        """A block drafter's state after the target's prefill: its cache with every prompt position's context K/V,
+        `lengths` = the prompt lengths (the root is not context yet: the target has not seen it)."""
+        b = ctx.prompt.shape[0]
+        cache = self.init_cache(b, block_cache_len(self.cfg, target_cache_len))
+        cache = self.write_context(self.context(ctx.features), cache, jnp.zeros((b,), jnp.int32))
+        return KVCache(cache.k, cache.v, ctx.prompt_len)
+
+    def context_after_round(self, state: KVCache, verdict: Verdict, features) -> KVCache:
+        """The state after a round: context K/V of only the newly accepted tokens (root and accepted drafts, their
+        features from the verify pass at the accepted path), written after the committed rows."""
+        feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
+        cache = self.write_context(self.context(feats), state)
+        return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
 
 
-def block_hidden(cfg: BlockConfig, params: dict, block_emb_BKH: jax.Array, cache: KVCache,
-                 start_B: jax.Array | None = None, *, attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """The block's hidden states after the final norm [B, K, H], and the cache with the block's K/V written.
+class Tables(nnx.Module):
+    """A block drafter's vocabulary tables: embed [V, H] fills the block rows, lm_head [H, V] scores them.
 
-    The K block rows sit at positions start_B .. start_B + K - 1 (start defaults to `lengths`) and
-    attend, with no causal mask, to the cached context rows [0, start) and to all K block rows.
-    The block's K/V land at cache rows start .. start + K - 1, after the context; `lengths` are
-    unchanged (block rows are never committed). Row k's logits (lm_head of row k) predict the token
-    at start + k (DFlash reads rows 1..K-1; DSpark, whose row 0 is already a guess, reads them all).
+    tied: no lm_head (the embed scores the rows, as a tied target's). Init: normal(0, scale).
     """
-    b, k_rows, _ = block_emb_BKH.shape
-    if start_B is None:
-        start_B = cache.lengths
-    positions_BK = start_B[:, None] + jnp.arange(k_rows, dtype=jnp.int32)[None, :]
-    everything_BKK = jnp.ones((b, k_rows, k_rows), jnp.bool_)
-    inv_freq = rope_inv_freq(cfg.layers.rope, cfg.layers.head_dim)
 
-    def layer_fn(p, i, layer, h_BKH, k_cache, v_cache, extra):
-        q_BKHD, k_BKGD, v_BKGD = qkv(cfg.layers, p, h_BKH, positions_BK, inv_freq)
-        o_BKHD, k_cache, v_cache = cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, start_B,
-                                                    everything_BKK, attn_impl)
-        return attn_out_and_mlp(cfg.layers, p, h_BKH, o_BKHD), k_cache, v_cache, extra
+    def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, tied: bool = False, scale: float = 0.02):
+        self.cfg = cfg
+        v, h = cfg.layers.vocab_size, cfg.hidden_size
+        dtype = jnp.dtype(cfg.layers.dtype)
+        self.embed = param(normal(rngs, (v, h), dtype, scale), "vocab", "embed")
+        self.lm_head = None if tied else param(normal(rngs, (h, v), dtype, scale), "embed", "vocab")
 
-    h_BKH, (k, v), _ = run_layers(params, cfg.layers, block_emb_BKH.astype(params["fc"].dtype), cache, layer_fn)
-    return rms_norm(h_BKH, params["final_norm"], cfg.layers.rms_norm_eps), KVCache(k, v, cache.lengths)
+    def block_embeddings(self, anchor_B: jax.Array) -> jax.Array:
+        """[B, block_size, H]: the anchor's embedding, then MASK's (embed[mask_token_id]) for the other rows."""
+        ids_BK = jnp.full((anchor_B.shape[0], self.cfg.block_size), self.cfg.mask_token_id, jnp.int32)
+        return self.embed[...][ids_BK.at[:, 0].set(anchor_B)]
 
-
-def context_after_prefill(cfg: BlockConfig, params: dict, ctx: PrefillContext, target_cache_len: int) -> KVCache:
-    """A block drafter's state after the target's prefill: its cache with every prompt position's context K/V,
-    `lengths` = the prompt lengths (the root is not context yet: the target has not seen it)."""
-    b = ctx.prompt.shape[0]
-    cache = init_block_cache(cfg, b, block_cache_len(cfg, target_cache_len), per_layer=has_layer_list(params))
-    cache = write_context(cfg, params, context_features(cfg, params, ctx.features), cache, jnp.zeros((b,), jnp.int32))
-    return KVCache(cache.k, cache.v, ctx.prompt_len)
+    def logits(self, h_BKH: jax.Array) -> jax.Array:
+        """fp32 logits [B, K, V] from final-normed hidden: lm_head [H, V], or the tied embed [V, H]."""
+        if self.lm_head is None:
+            return jnp.einsum("bkh,vh->bkv", h_BKH, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("bkh,hv->bkv", h_BKH, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
-def context_after_round(cfg: BlockConfig, params: dict, state: KVCache, verdict: Verdict, features) -> KVCache:
-    """The state after a round: context K/V of only the newly accepted tokens (root and accepted drafts, their
-    features from the verify pass at the accepted path), written after the committed rows."""
-    feats = tuple(jnp.take_along_axis(f, verdict.path[:, :, None], axis=1) for f in features)
-    cache = write_context(cfg, params, context_features(cfg, params, feats), state)
-    return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted)
+# ---- modules <-> a drafter's flat params dict ---------------------------------------------------------------
 
 
-def block_embeddings(cfg: BlockConfig, embed_VH: jax.Array, anchor_B: jax.Array) -> jax.Array:
-    """[B, block_size, H]: the anchor's embedding, then MASK's (embed[mask_token_id]) for the other rows."""
-    ids_BK = jnp.full((anchor_B.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor_B)
-    return embed_VH[ids_BK]
+@functools.lru_cache(maxsize=128)
+def graph(cls: type[nnx.Module], cfg, **options) -> tuple[nnx.GraphDef, tuple[str, ...]]:
+    """The graph of cls(cfg, **options) (shapes only: no weights made) and its top-level param names."""
+    return module_graph(cls, cfg, **options), tuple(shapes_of(lambda: cls(cfg, rngs=nnx.Rngs(0), **options)))
 
 
-def vocab_logits(params: dict, h_BKH: jax.Array) -> jax.Array:
-    """fp32 logits [B, K, V] from final-normed hidden: params' lm_head [H, V], or the tied embed [V, H]."""
-    if "lm_head" in params:
-        return jnp.einsum("bkh,hv->bkv", h_BKH, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bkh,vh->bkv", h_BKH, params["embed"], preferred_element_type=jnp.float32)
+def part(cls: type[nnx.Module], cfg, params: dict, **options) -> nnx.Module:
+    """The cls module over its own entries of a drafter's flat params dict (the same arrays: nothing copied)."""
+    g, names = graph(cls, cfg, **options)
+    return nnx.merge(g, {name: params[name] for name in names})
+
+
+def backbone(cfg: BlockConfig, params: dict) -> BlockBackbone:
+    """The BlockBackbone in params (fc, hidden_norm, layers, final_norm), in the layer layout they are in."""
+    return part(BlockBackbone, cfg, params, per_layer=has_layer_list(params))
+
+
+def tables(cfg: BlockConfig, params: dict) -> Tables:
+    """The Tables in params: embed, and lm_head unless there is none (tied)."""
+    return part(Tables, cfg, params, tied="lm_head" not in params)
+
+
+def param_shapes(cfg: BlockConfig) -> dict:
+    """Every backbone parameter's shape ([in, out] matrices, layers stacked on L); what conversion checks."""
+    return shapes_of(lambda: BlockBackbone(cfg, rngs=nnx.Rngs(0)))
+
+
+def init_params(cfg: BlockConfig, key: jax.Array) -> dict:
+    """Random backbone params (stacked layers) for tests, every weight mattering: norms ~ 1 + 0.1 N(0,1), matrices
+    ~ N(0, 1/H) (about 1/fan_in)."""
+    rngs = nnx.Rngs(params=key)
+    params = to_params(BlockBackbone(cfg, rngs=rngs, scale=cfg.hidden_size ** -0.5))
+
+    def jitter(path, x):
+        if "norm" not in str(path[-1]):
+            return x
+        return (1.0 + 0.1 * jax.random.normal(rngs.params(), x.shape)).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(jitter, params)
 
 
 def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, per_layer: bool) -> dict:
@@ -271,6 +320,11 @@ class DFlashDrafter:
     attn_impl: str = "auto"
     name: str = "dflash"
 
+    @property
+    def model(self) -> BlockBackbone:
+        """The block backbone (a Flax NNX module) over the same arrays as `params`; its tables are the target's."""
+        return backbone(self.cfg, self.params)
+
     def __repr__(self) -> str:
         """One line of facts, not the weights."""
         lc = self.cfg.layers
@@ -299,15 +353,16 @@ class DFlashDrafter:
         return 1  # one block pass (update only projects the accepted rows' K/V)
 
     def init(self, params, ctx: PrefillContext) -> KVCache:
-        return context_after_prefill(self.cfg, params, ctx, self.settings.cache_len)
+        return backbone(self.cfg, params).context_after_prefill(ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B):
         del keys_B  # argmax drafts under any sampling
         k = self.settings.tree.num_nodes - 1
         b = root_B.shape[0]
-        h_BKH, cache = block_hidden(self.cfg, params, block_embeddings(self.cfg, params["embed"], root_B), state,
-                                    attn_impl=self.attn_impl)
-        logits_BkV = vocab_logits(params, h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
+        vocab = tables(self.cfg, params)
+        h_BKH, cache = backbone(self.cfg, params).block_hidden(vocab.block_embeddings(root_B), state,
+                                                               attn_impl=self.attn_impl)
+        logits_BkV = vocab.logits(h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
         drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)
         prob_Bk = jnp.take_along_axis(jax.nn.softmax(logits_BkV, axis=-1), drafts_Bk[:, :, None], axis=-1)[..., 0]
         tokens_BN = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_Bk], axis=1)
@@ -320,4 +375,4 @@ class DFlashDrafter:
         return draft, cache
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
-        return context_after_round(self.cfg, params, state, verdict, features)
+        return backbone(self.cfg, params).context_after_round(state, verdict, features)

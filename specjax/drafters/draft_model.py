@@ -26,10 +26,8 @@ from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.models._legacy import attn_out_and_mlp, qkv, run_layers
-from specjax.models.cache import KVCache, commit, init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
-from specjax.models.layers import cached_attention, rms_norm, rope_inv_freq
+from specjax.models.cache import KVCache, commit
+from specjax.models.decoder import Decoder, merge
 from specjax.models.target import model_summary
 
 
@@ -43,12 +41,16 @@ class DraftModelDrafter:
     feature_layers: tuple[int, ...] = ()
 
     @property
+    def model(self) -> Decoder:
+        """The draft model as a Flax NNX module over the same arrays as `params` (for notebooks)."""
+        return merge(self.cfg, self.params)
+
+    @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
     def __repr__(self) -> str:
         """One line of facts, not the weights."""
-
         return f"DraftModelDrafter({model_summary(self.cfg, self.attn_impl)})"
 
     def configure(self, settings: Settings) -> "DraftModelDrafter":
@@ -59,9 +61,10 @@ class DraftModelDrafter:
         return tree.num_nodes - 1 if tree.is_chain else tree.max_depth
 
     def init(self, params, ctx: PrefillContext):
+        model = merge(self.cfg, params)
         b = ctx.prompt.shape[0]
-        cache = init_cache(self.cfg, b, self.settings.cache_len, per_layer=has_layer_list(params))
-        _, _, cache = forward(params, self.cfg, ctx.prompt, cache, attn_impl=self.attn_impl)
+        cache = model.init_cache(b, self.settings.cache_len)
+        _, _, cache = model.forward(ctx.prompt, cache, attn_impl=self.attn_impl)
         prev_B = jnp.take_along_axis(ctx.prompt, (ctx.prompt_len - 1)[:, None], axis=1)[:, 0]
         cache = KVCache(cache.k, cache.v, ctx.prompt_len)
         if self._dynamic:  # + each node's cache offset from lengths in the last draft (see _propose_dynamic)
@@ -80,30 +83,31 @@ class DraftModelDrafter:
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
 
     def propose(self, params, state, root_B, keys_B):
+        model = merge(self.cfg, params)
         if self.settings.tree.is_chain:
-            return self._propose_chain(params, state, root_B, keys_B)
+            return self._propose_chain(model, state, root_B, keys_B)
         if self._dynamic:
-            return self._propose_dynamic(params, state, root_B)
-        return self._propose_tree(params, state, root_B)
+            return self._propose_dynamic(model, state, root_B)
+        return self._propose_tree(model, state, root_B)
 
-    def _propose_chain(self, params, state, root_B, keys_B):
+    def _propose_chain(self, model: Decoder, state, root_B, keys_B):
         cache, prev_B = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)  # [K, B]
         step_cache = KVCache(cache.k, cache.v, length_B - 1)
-        h_B2D, _, step_cache = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1), step_cache,
+        h_B2D, _, step_cache = model.forward(jnp.stack([prev_B, root_B], axis=1), step_cache,
                                        attn_impl=self.attn_impl)
-        logits_BV = lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0]
+        logits_BV = model.logits(h_B2D[:, 1:])[:, 0]
         tok_B, q_BV = self._choose(keys[0], logits_BV)
         record = self.settings.record_logits
 
         def step(carry, xs):
             kc, vc, tok_B = carry
             i, step_keys_B = xs
-            h_B1D, _, c = forward(params, self.cfg, tok_B[:, None], KVCache(kc, vc, length_B + i),
+            h_B1D, _, c = model.forward(tok_B[:, None], KVCache(kc, vc, length_B + i),
                                   attn_impl=self.attn_impl)
-            step_logits_BV = lm_head(params, self.cfg, h_B1D)[:, 0]
+            step_logits_BV = model.logits(h_B1D)[:, 0]
             nxt_B, q_BV = self._choose(step_keys_B, step_logits_BV)
             return (c.k, c.v, nxt_B), (nxt_B, q_BV, step_logits_BV if record else None)
 
@@ -115,7 +119,7 @@ class DraftModelDrafter:
                       chain_nodes(q_BV, rest_q), logits=chain_nodes(logits_BV, rest_logits) if record else None)
         return draft, (KVCache(kc, vc, length_B), prev_B)
 
-    def _propose_tree(self, params, state, root_B):
+    def _propose_tree(self, model: Decoder, state, root_B):
         """Deterministic top-k tree: node i takes the rank_i-th best token after its parent."""
         cache, prev_B = state
         tree = self.settings.tree
@@ -133,9 +137,9 @@ class DraftModelDrafter:
         for d in range(1, tree.max_depth + 1):
             step_cache = KVCache(cache.k, cache.v, cache.lengths - 1)
             ext_BT = jnp.concatenate([prev_B[:, None], tokens_BN], axis=1)
-            h_BTD, _, step_cache = forward(params, self.cfg, ext_BT, step_cache, positions_BT=positions_BT,
+            h_BTD, _, step_cache = model.forward(ext_BT, step_cache, positions_BT=positions_BT,
                                            mask_BTT=mask_BTT, attn_impl=self.attn_impl)
-            top_BTW = lax.top_k(lm_head(params, self.cfg, h_BTD), width)[1].astype(jnp.int32)
+            top_BTW = lax.top_k(model.logits(h_BTD), width)[1].astype(jnp.int32)
             cand_BN = top_BTW[:, parent_idx, ranks]
             at_depth = jnp.asarray([x == d for x in node_depth])
             tokens_BN = jnp.where(at_depth[None, :], cand_BN, tokens_BN)
@@ -143,7 +147,7 @@ class DraftModelDrafter:
         draft = Draft(tokens_BN, spec_arrays(tree, b), jnp.ones((b, n), jnp.bool_))
         return draft, (cache, prev_B)
 
-    def _propose_dynamic(self, params, state, root_B):
+    def _propose_dynamic(self, model: Decoder, state, root_B):
         """EAGLE-2 dynamic tree, deterministic (q = None: verification treats each node as one-hot).
 
         Cache layout during drafting, from the row's length L: prev at L-1, root at L, expanded
@@ -154,15 +158,15 @@ class DraftModelDrafter:
         cache, prev_B, _ = state
         spec = self.settings.tree
         length_B = cache.lengths
-        h_B2D, _, c = forward(params, self.cfg, jnp.stack([prev_B, root_B], axis=1),
+        h_B2D, _, c = model.forward(jnp.stack([prev_B, root_B], axis=1),
                               KVCache(cache.k, cache.v, length_B - 1), attn_impl=self.attn_impl)
-        root_logprobs_BV = jax.nn.log_softmax(lm_head(params, self.cfg, h_B2D[:, 1:])[:, 0], axis=-1)
+        root_logprobs_BV = jax.nn.log_softmax(model.logits(h_B2D[:, 1:])[:, 0], axis=-1)
 
         def step(frontier, kv):
             positions_BK = jnp.broadcast_to((length_B + 1 + frontier.step)[:, None], frontier.tokens.shape)
-            h_BKD, c = forward_frontier(params, self.cfg, frontier.tokens, KVCache(*kv, length_B + 1), positions_BK,
-                                        frontier.slot, frontier.ancestors, self.attn_impl)
-            return jax.nn.log_softmax(lm_head(params, self.cfg, h_BKD), axis=-1), (c.k, c.v)
+            h_BKD, _, c = model.forward(frontier.tokens, KVCache(*kv, length_B + 1), positions_BT=positions_BK,
+                                        mask_BTT=frontier.ancestors, slot=frontier.slot, attn_impl=self.attn_impl)
+            return jax.nn.log_softmax(model.logits(h_BKD), axis=-1), (c.k, c.v)
 
         tree, (k, v) = build_tree(spec, root_B, root_logprobs_BV, step, (c.k, c.v))
         # Each node's cache offset from L: root 0, expanded slot r at 1 + r; unexpanded leaves have no
@@ -182,25 +186,3 @@ class DraftModelDrafter:
                 prev_B, offset_BN
         return commit(cache, verdict.path, verdict.num_accepted), prev_B
 
-
-def forward_frontier(params: dict, cfg: ModelConfig, tokens_BK: jax.Array, cache: KVCache, positions_BK: jax.Array,
-                     slot: jax.Array, ancestors_BKR: jax.Array, attn_impl: str) -> tuple[jax.Array, KVCache]:
-    """Run K frontier nodes of a dynamic tree against a window of R expanded slots after the prefix.
-
-    Row b's prefix is `cache.lengths[b]` positions, visible to every node; expanded slot r sits at
-    `lengths + r`. The K nodes are written at slots `slot .. slot + K - 1`, and node f attends to the
-    prefix and the slots `ancestors_BKR[:, f]` marks (its ancestors and itself). Attention runs over
-    the whole window (R query rows, the K real queries placed at their slots), so the one attention
-    function (the Pallas kernel on GPU) serves, unchanged. Returns the final-normed hidden states
-    [B, K, D] and the cache (lengths unchanged).
-    """
-    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-
-    def layer_fn(p, i, layer, h_BKD, k_cache, v_cache, extra):
-        q_BKHD, k_BKGD, v_BKGD = qkv(cfg, p, h_BKD, positions_BK, inv_freq)
-        o_BKHD, k_cache, v_cache = cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, cache.lengths,
-                                                    ancestors_BKR, attn_impl, slot)
-        return attn_out_and_mlp(cfg, p, h_BKD, o_BKHD), k_cache, v_cache, extra
-
-    h_BKD, (k_cache, v_cache), _ = run_layers(params, cfg, params["embed"][tokens_BK], cache, layer_fn)
-    return rms_norm(h_BKD, params["final_norm"], cfg.rms_norm_eps), KVCache(k_cache, v_cache, cache.lengths)

@@ -41,38 +41,35 @@ K/V are written provisionally after them each round, `update` projects only the 
 tokens' features (the root and the accepted drafts, from the verify pass). This is what the
 original evaluator does with `DynamicCache.crop(start)` and the verified hidden states.
 
-Params ([in, out] matrices):
-    the block params of drafters/dflash.py (fc, hidden_norm, final_norm, layers; stacked or per-layer);
-    embed [V, H], lm_head [H, V]: DSpark's own frozen copies;
-    markov_w1 [V, r], markov_w2 [V, r] (rank > 0);
-    confidence_w [H (+ r)], confidence_b [], confidence_temperature [gamma] (with a confidence head).
+Networks (Flax NNX modules, [in, out] matrices; the params are one flat dict, the union of their
+plain dicts, merged back per module by `networks`):
+    BlockBackbone (drafters/dflash.py): fc, hidden_norm, final_norm, layers (stacked or per-layer);
+    Tables (drafters/dflash.py): embed [V, H], lm_head [H, V]: DSpark's own frozen copies;
+    MarkovHead: markov_w1 [V, r], markov_w2 [V, r] (none at rank 0);
+    ConfidenceHead: confidence_w [H (+ r)], confidence_b [], and confidence_temperature [gamma] (a
+        `Calibration` variable: fitted post hoc, never trained).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.drafters.dflash import (
-    BlockConfig,
-    block_embeddings,
-    block_hidden,
-    context_after_prefill,
-    context_after_round,
-    require_block_chain,
-    vocab_logits,
-)
+from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables, backbone, part, require_block_chain, tables
 from specjax.drafters.dflash import init_params as init_block_params
 from specjax.models.cache import KVCache
 from specjax.models.decoder import unstack_layers
+from specjax.models.layers import normal, param
+from specjax.models.state import shapes_of, to_params
 
 MARKOV_HEAD_TYPES = ("vanilla",)
 
@@ -102,67 +99,111 @@ class DSparkConfig:
         return self.block.hidden_size + (self.markov_rank if self.confidence_with_markov else 0)
 
 
+# ---- the heads -----------------------------------------------------------------------------------------------
+
+
+class Calibration(nnx.Variable):
+    """A value fitted post hoc on verified rounds (the confidence temperatures): state, never a trained Param."""
+
+
+class MarkovHead(nnx.Module):
+    """The Markov step, `markov_head_type` vanilla: logits_k = U_k + W2 W1[x_{k-1}]; rank 0: no weights, U_k alone.
+
+    Init: normal(0, scale).
+    """
+
+    def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs, scale: float = 0.02):
+        v, r = cfg.block.layers.vocab_size, cfg.markov_rank
+        dtype = jnp.dtype(cfg.block.layers.dtype)
+        self.markov_w1 = param(normal(rngs, (v, r), dtype, scale), "vocab", None) if r else None
+        self.markov_w2 = param(normal(rngs, (v, r), dtype, scale), "vocab", None) if r else None
+
+    def embed(self, prev: jax.Array) -> jax.Array:
+        """W1[x_prev] in fp32: [..., r] for token ids [...]."""
+        return self.markov_w1[...][prev].astype(jnp.float32)
+
+    def __call__(self, u_BV: jax.Array, prev_B: jax.Array) -> jax.Array:
+        """U + W2 W1[x_prev]: fp32 logits [B, V] given the backbone's [B, V] and the previous tokens [B]."""
+        if self.markov_w1 is None:
+            return u_BV
+        return u_BV + jnp.einsum("br,vr->bv", self.embed(prev_B), self.markov_w2[...].astype(jnp.float32))
+
+
+class ConfidenceHead(nnx.Module):
+    """c_k = sigmoid((w . [h_k; W1[x_{k-1}]] + b) / T_k): one linear unit, then the calibrated temperatures.
+
+    Init: w normal(0, scale), b zero, temperatures 1 (uncalibrated).
+    """
+
+    def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs, scale: float = 0.02):
+        dtype = jnp.dtype(cfg.block.layers.dtype)
+        self.confidence_w = param(normal(rngs, (cfg.confidence_width,), dtype, scale), None)
+        self.confidence_b = param(jnp.zeros((), dtype))
+        self.confidence_temperature = Calibration(jnp.ones((cfg.block_size,), jnp.float32))
+
+    def __call__(self, h_BKH: jax.Array, markov_BKR: jax.Array | None = None) -> jax.Array:
+        """The logits [B, K] (before temperature) on [h_k; W1[x_{k-1}]] (or h_k alone: markov None), in fp32."""
+        x_BKF = h_BKH.astype(jnp.float32)
+        if markov_BKR is not None:
+            x_BKF = jnp.concatenate([x_BKF, markov_BKR], axis=-1)
+        return x_BKF @ self.confidence_w[...].astype(jnp.float32) + self.confidence_b[...].astype(jnp.float32)
+
+    def calibrated(self, logits_BK: jax.Array) -> jax.Array:
+        """c_k = sigmoid(logit_k / T_k) with the stored per-position temperatures (1 until calibrated)."""
+        k = logits_BK.shape[-1]
+        return jax.nn.sigmoid(logits_BK / self.confidence_temperature[...][:k].astype(jnp.float32))
+
+
+class DSparkNetworks(NamedTuple):
+    """DSpark's modules over one flat params dict (`networks`); confidence None without a confidence head."""
+
+    cfg: DSparkConfig
+    backbone: BlockBackbone
+    tables: Tables
+    markov: MarkovHead
+    confidence: ConfidenceHead | None
+
+    def confidence_logits(self, h_BKH: jax.Array, prev_BK: jax.Array) -> jax.Array:
+        """The confidence head's logits [B, K] on [h_k; W1[x_{k-1}]] (h_k alone unless confidence_with_markov)."""
+        markov_BKR = self.markov.embed(prev_BK) if self.cfg.confidence_with_markov else None
+        return self.confidence(h_BKH, markov_BKR)
+
+
+def networks(cfg: DSparkConfig, params: dict) -> DSparkNetworks:
+    """The modules holding DSpark params (the same arrays: nothing copied), in the layer layout they are in."""
+    return DSparkNetworks(cfg, backbone(cfg.block, params), tables(cfg.block, params), part(MarkovHead, cfg, params),
+                          part(ConfidenceHead, cfg, params) if cfg.confidence else None)
+
+
 def param_shapes(cfg: DSparkConfig) -> dict:
-    """Every parameter's shape except the block's (drafters/dflash.param_shapes): what conversion checks."""
-    h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
-    shapes = {"embed": (v, h), "lm_head": (h, v)}
-    if r:
-        shapes |= {"markov_w1": (v, r), "markov_w2": (v, r)}
+    """Every parameter's shape except the backbone's (drafters/dflash.param_shapes): the tables' and the heads'."""
+    makes = [lambda: Tables(cfg.block, rngs=nnx.Rngs(0)), lambda: MarkovHead(cfg, rngs=nnx.Rngs(0))]
     if cfg.confidence:
-        shapes |= {"confidence_w": (cfg.confidence_width,), "confidence_b": (),
-                   "confidence_temperature": (cfg.block_size,)}
-    return shapes
+        makes.append(lambda: ConfidenceHead(cfg, rngs=nnx.Rngs(0)))
+    return {name: shape for make in makes for name, shape in shapes_of(make).items()}
 
 
 def init_params(cfg: DSparkConfig, key: jax.Array, embed: jax.Array | None = None,
                 lm_head: jax.Array | None = None) -> dict:
-    """Random DSpark params for tests (stacked layers): the block's init, unit-scale heads, temperatures 1.
+    """Random DSpark params for tests (stacked layers): the backbone's test init, heads ~ N(0, 1/fan_in), temperatures 1.
 
     embed / lm_head default to random tables; pass the target's to copy them as DeepSpec's training does.
     """
-    dtype = jnp.dtype(cfg.block.layers.dtype)
-    k_block, k_embed, k_head, k_w1, k_w2, k_conf = jax.random.split(key, 6)
-    h, v, r = cfg.block.hidden_size, cfg.block.layers.vocab_size, cfg.markov_rank
-    params = dict(init_block_params(cfg.block, k_block))
-    params["embed"] = embed if embed is not None else jax.random.normal(k_embed, (v, h)).astype(dtype)
-    if lm_head is None:
-        lm_head = (h ** -0.5 * jax.random.normal(k_head, (h, v))).astype(dtype)
-    params["lm_head"] = lm_head
-    if r:
-        params["markov_w1"] = (2.0 * r ** -0.5 * jax.random.normal(k_w1, (v, r))).astype(dtype)
-        params["markov_w2"] = (r ** -0.5 * jax.random.normal(k_w2, (v, r))).astype(dtype)
+    k_block, k_heads = jax.random.split(key)
+    rngs = nnx.Rngs(params=k_heads)
+    h, r = cfg.block.hidden_size, max(cfg.markov_rank, 1)
+    params = init_block_params(cfg.block, k_block) | to_params(Tables(cfg.block, rngs=rngs, scale=h ** -0.5))
+    params |= to_params(MarkovHead(cfg, rngs=rngs, scale=r ** -0.5))
     if cfg.confidence:
-        n = cfg.confidence_width
-        params["confidence_w"] = (n ** -0.5 * jax.random.normal(k_conf, (n,))).astype(dtype)
-        params["confidence_b"] = jnp.asarray(0.5, dtype)
-        params["confidence_temperature"] = jnp.ones((cfg.block_size,), jnp.float32)
+        params |= to_params(ConfidenceHead(cfg, rngs=rngs, scale=cfg.confidence_width ** -0.5))
+    if embed is not None:
+        params["embed"] = embed
+    if lm_head is not None:
+        params["lm_head"] = lm_head
     return params
 
 
-# ---- the heads -----------------------------------------------------------------------------------------------
-
-
-def markov_bias(params: dict, prev_B: jax.Array) -> jax.Array:
-    """W2 W1[x_prev]: the Markov head's fp32 logit bias [B, V] given the previous tokens [B]."""
-    e_BR = params["markov_w1"][prev_B].astype(jnp.float32)
-    return jnp.einsum("br,vr->bv", e_BR, params["markov_w2"].astype(jnp.float32))
-
-
-def confidence_logits(cfg: DSparkConfig, params: dict, h_BKH: jax.Array, prev_BK: jax.Array) -> jax.Array:
-    """The confidence head's logits [B, K] (before temperature): w . [h_k; W1[x_{k-1}]] + b, in fp32."""
-    x_BKF = h_BKH.astype(jnp.float32)
-    if cfg.confidence_with_markov:
-        x_BKF = jnp.concatenate([x_BKF, params["markov_w1"][prev_BK].astype(jnp.float32)], axis=-1)
-    return x_BKF @ params["confidence_w"].astype(jnp.float32) + params["confidence_b"].astype(jnp.float32)
-
-
-def calibrated_confidence(params: dict, logits_BK: jax.Array) -> jax.Array:
-    """c_k = sigmoid(logit_k / T_k) with the stored per-position temperatures (1 until calibrated)."""
-    k = logits_BK.shape[-1]
-    return jax.nn.sigmoid(logits_BK / params["confidence_temperature"][:k].astype(jnp.float32))
-
-
-def markov_chain(cfg: DSparkConfig, params: dict, settings: Settings, u_BKV: jax.Array, anchor_B: jax.Array,
+def markov_chain(markov: MarkovHead, settings: Settings, u_BKV: jax.Array, anchor_B: jax.Array,
                  keys_KB: jax.Array | None):
     """The sequential stage, left to right: drafts [B, K], q [B, K, V] (None when greedy), logits [B, K, V].
 
@@ -174,7 +215,7 @@ def markov_chain(cfg: DSparkConfig, params: dict, settings: Settings, u_BKV: jax
     def step(prev_B, xs):
         """One position: bias by the previous token, choose; carries the choice to the next position."""
         u_BV, key_B = xs
-        logits_BV = u_BV + markov_bias(params, prev_B) if cfg.markov_rank else u_BV
+        logits_BV = markov(u_BV, prev_B)
         if greedy:
             tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
             return tok_B, (tok_B, logits_BV, None)
@@ -214,6 +255,11 @@ class DSparkDrafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "dspark"
+
+    @property
+    def model(self) -> DSparkNetworks:
+        """DSpark's Flax NNX modules (backbone, tables, Markov and confidence heads) over the same arrays as `params`."""
+        return networks(self.cfg, self.params)
 
     def __repr__(self) -> str:
         """One line of facts, not the weights."""
@@ -257,20 +303,20 @@ class DSparkDrafter:
         return dataclasses.replace(self, params={**self.params, "confidence_temperature": t})
 
     def init(self, params, ctx: PrefillContext) -> KVCache:
-        return context_after_prefill(self.cfg.block, params, ctx, self.settings.cache_len)
+        return backbone(self.cfg.block, params).context_after_prefill(ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B):
         k = self.settings.tree.num_nodes - 1
         b = root_B.shape[0]
-        emb_BGH = block_embeddings(self.cfg.block, params["embed"], root_B)
-        h_BGH, cache = block_hidden(self.cfg.block, params, emb_BGH, state, attn_impl=self.attn_impl)
+        net = networks(self.cfg, params)
+        h_BGH, cache = net.backbone.block_hidden(net.tables.block_embeddings(root_B), state, attn_impl=self.attn_impl)
         h_BKH = h_BGH[:, :k]  # row k - 1 predicts position P + k: draft k
-        u_BKV = vocab_logits(params, h_BKH)
+        u_BKV = net.tables.logits(h_BKH)
         keys_KB = None if self.settings.sampling.greedy else split_rows(keys_B, k)
-        drafts_BK, q_BKV, logits_BKV = markov_chain(self.cfg, params, self.settings, u_BKV, root_B, keys_KB)
-        if self.cfg.confidence:
+        drafts_BK, q_BKV, logits_BKV = markov_chain(net.markov, self.settings, u_BKV, root_B, keys_KB)
+        if net.confidence is not None:
             prev_BK = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_BK[:, :-1]], axis=1)
-            conf_BK = calibrated_confidence(params, confidence_logits(self.cfg, params, h_BKH, prev_BK))
+            conf_BK = net.confidence.calibrated(net.confidence_logits(h_BKH, prev_BK))
         else:
             probs_BKV = q_BKV if q_BKV is not None else jax.nn.softmax(logits_BKV, axis=-1)
             conf_BK = jnp.take_along_axis(probs_BKV, drafts_BK[:, :, None], axis=-1)[..., 0]
@@ -283,4 +329,4 @@ class DSparkDrafter:
         return draft, cache
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
-        return context_after_round(self.cfg.block, params, state, verdict, features)
+        return backbone(self.cfg.block, params).context_after_round(state, verdict, features)

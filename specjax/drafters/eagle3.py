@@ -14,13 +14,14 @@ Pairing: feature row p (the target's hidden states at token t_p) goes with the e
 of t_{p+1}; the row of the newest token goes with the token just chosen. A draft id maps
 to a target id as `draft_id + d2t[draft_id]`.
 
-Params ([in, out] matrices, as everywhere in specjax):
+The network is `Eagle3Head` (an NNX module); its plain-dict form (`to_params`, what the
+checkpoint reader produces and the drafter carries), [in, out] matrices as everywhere in specjax:
     fc [3*Ht, H]; layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
     wk/wv [2H, Hkv*D], wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm), w_gate/w_up
     [H, F], w_down [F, H]}; final_norm [H]; lm_head [H, Vd]; d2t int32 [Vd];
     embed [V, H] (the target's table unless the checkpoint carries its own).
-The layer keys are the decoder's, so `models.decoder.project_qkv` and `attn_out_and_mlp`
-run it unchanged.
+The layer is the decoder's `DecoderLayer` over the 2H input (no attn_norm: the two input norms
+replace it), so its projections, attention output and MLP are the target's code.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 
 from specjax.config import ModelConfig, RopeConfig
@@ -39,9 +41,10 @@ from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.models._legacy import attn_out_and_mlp, project_qkv
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
+from specjax.models.decoder import DecoderLayer
+from specjax.models.layers import cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.state import merged, shapes_of, to_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,38 +80,128 @@ class Eagle3Config:
                            rope=self.rope, dtype=self.dtype)
 
 
+class VocabMap(nnx.Variable):
+    """d2t, int32 [Vd]: target id = draft id + d2t[draft id]. A table, not a weight: never trained."""
+
+
+class Eagle3Layer(DecoderLayer):
+    """The head's decoder layer: the decoder's layer over x = concat(embed_norm(e), hidden_norm(h)), width 2H.
+
+    embed_norm is the original's input_layernorm; the layer has no attn_norm of its own.
+    """
+
+    def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, scale: float):
+        super().__init__(cfg.layer_cfg, rngs=rngs, in_features=2 * cfg.hidden_size, input_norm=False, scale=scale)
+        ones = jnp.ones((cfg.hidden_size,), jnp.dtype(cfg.dtype))
+        self.embed_norm, self.hidden_norm = param(ones, "embed"), param(ones, "embed")
+
+    def fused_qkv(self, emb_BTD: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
+        """q, k, v (RoPE applied) from the embeddings of the paired tokens and the hidden input."""
+        eps = self.cfg.rms_norm_eps
+        x_BT2D = jnp.concatenate([rms_norm(emb_BTD, self.embed_norm[...], eps),
+                                  rms_norm(h_BTD, self.hidden_norm[...], eps)], axis=-1)
+        return self.project_qkv(x_BT2D, positions_BT, inv_freq)
+
+
+class Eagle3Head(nnx.Module):
+    """The EAGLE-3 network: fc over the three taps, its one layer, final norm, draft-vocabulary lm_head, d2t, embed.
+
+    Initialised with normal(0, scale) matrices and unit norms (training's init); `embed` / `d2t` default to
+    a random table and the identity map when not given (the drafter passes the target's table).
+    """
+
+    def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, scale: float = 0.02, embed: jax.Array | None = None,
+                 d2t: jax.Array | None = None):
+        self.cfg = cfg
+        h, dtype = cfg.hidden_size, jnp.dtype(cfg.dtype)
+        self.fc = param(normal(rngs, (3 * cfg.target_hidden_size, h), dtype, scale), None, "embed")
+        self.layer = Eagle3Layer(cfg, rngs=rngs, scale=scale)
+        self.final_norm = param(jnp.ones((h,), dtype), "embed")
+        self.lm_head = param(normal(rngs, (h, cfg.draft_vocab_size), dtype, scale), "embed", "vocab")
+        self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None
+                            else jnp.asarray(d2t, jnp.int32))
+        self.embed = param(normal(rngs, (cfg.vocab_size, h), dtype, scale) if embed is None else embed,
+                           "vocab", "embed")
+
+    def fuse(self, features_BTF: jax.Array) -> jax.Array:
+        """fc: target features [B, T, 3*Ht] -> the head's hidden input [B, T, H]. First step only."""
+        fc = self.fc[...]
+        return features_BTF.astype(fc.dtype) @ fc
+
+    def qkv(self, ids_BT: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array):
+        """The head layer up to attention: q, k, v (RoPE applied) from concat(norm(embed(ids)), norm(h)).
+
+        Shared by serving (`midlayer`, over the KV cache) and training (specjax.train.eagle3, over the
+        training-time-test attention), so both run the same input fusion and projections.
+        """
+        emb_BTD = self.embed[...][ids_BT].astype(h_BTD.dtype)
+        return self.layer.fused_qkv(emb_BTD, h_BTD, positions_BT, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
+
+    def midlayer(self, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
+                 mask_BTR: jax.Array | None = None, slot=0, attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+        """The head's decoder layer over T new rows per row after each row's cached prefix.
+
+        ids_BT are target token ids (embedded with `embed`); h_BTD the hidden input (fc of the
+        features, or the head's own previous output). K/V are written at `lengths + slot + t`;
+        lengths stay unchanged (the caller advances or commits, as for the target's forward).
+        positions default to `lengths + t`, mask_BTR to causal among the new rows. A tree level passes
+        its window: slot and a mask over the R slots after the prefix (see `layers.cached_attention`).
+        Returns the pre-norm hidden states [B, T, H] and the cache.
+        """
+        b, t = ids_BT.shape
+        lengths_B = cache.lengths
+        if positions_BT is None:
+            positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if mask_BTR is None:
+            mask_BTR = jnp.broadcast_to(causal_mask(t), (b, t, t))
+        q_BTHD, k_BTKD, v_BTKD = self.qkv(ids_BT, h_BTD, positions_BT)
+        (k_buf,), (v_buf,) = cache.k, cache.v
+        o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTR,
+                                                attn_impl, slot)
+        return self.layer.attn_out_and_mlp(h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
+
+    def draft_logits(self, h_BTD: jax.Array) -> jax.Array:
+        """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
+        x_BTD = rms_norm(h_BTD, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+        """Target token ids of draft-vocabulary ids: draft_id + d2t[draft_id]."""
+        return (draft_ids + self.d2t[...][draft_ids]).astype(jnp.int32)
+
+    def target_logits(self, draft_logits_XV: jax.Array) -> jax.Array:
+        """Draft-vocabulary logits scattered into the target vocabulary [..., V]; tokens outside it get -inf.
+
+        For samplers and verifiers that work in target ids (q over the target vocabulary).
+        """
+        ids_V = self.to_target_ids(jnp.arange(self.cfg.draft_vocab_size))
+        full = jnp.full((*draft_logits_XV.shape[:-1], self.cfg.vocab_size), -jnp.inf, draft_logits_XV.dtype)
+        return full.at[..., ids_V].set(draft_logits_XV)
+
+
+def head_of(cfg: Eagle3Config, params: dict) -> Eagle3Head:
+    """The Eagle3Head holding `params` (the same arrays, nothing copied): how traced code runs a params dict."""
+    return merged(Eagle3Head, cfg, params)
+
+
 def param_shapes(cfg: Eagle3Config) -> dict:
     """Every parameter's shape except `embed` (usually the target's): what conversion checks against."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = {"embed_norm": (h,), "hidden_norm": (h,), "wq": (2 * h, qd), "wk": (2 * h, kvd), "wv": (2 * h, kvd),
-             "wo": (qd, h), "mlp_norm": (h,), "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
-    return {"fc": (3 * cfg.target_hidden_size, h), "layer": layer, "final_norm": (h,),
-            "lm_head": (h, cfg.draft_vocab_size), "d2t": (cfg.draft_vocab_size,)}
+    shapes = shapes_of(lambda: Eagle3Head(cfg, rngs=nnx.Rngs(0)))
+    return {k: v for k, v in shapes.items() if k != "embed"}
 
 
 def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
-    """Random head params around the given embedding table (for tests): unit-ish norms, 1/sqrt(in) matrices."""
+    """A random head around the given embedding table (for tests): normal(0, 1/sqrt(H)) matrices, a sharp lm_head
+    (normal(0, 1)), norms 1 + 0.1 N(0, 1) so each one matters, and a random sorted draft vocabulary."""
+    rngs = nnx.Rngs(params=key)
     dtype = jnp.dtype(cfg.dtype)
-    shapes = param_shapes(cfg)
-    flat = {("layer", k): s for k, s in shapes["layer"].items()} | {
-        (k,): s for k, s in shapes.items() if k not in ("layer", "d2t")}
-    keys = dict(zip(flat, jax.random.split(key, len(flat) + 1)))
-    d2t_key = jax.random.fold_in(key, 7)
-
-    def make(path, shape):
-        k = keys[path]
-        if "norm" in path[-1]:
-            return (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
-        scale = 1.0 if path[-1] == "lm_head" else shape[0] ** -0.5
-        return (scale * jax.random.normal(k, shape)).astype(dtype)
-
-    used = jnp.sort(jax.random.permutation(d2t_key, cfg.vocab_size)[: cfg.draft_vocab_size])
-    params = {k: make((k,), s) for k, s in shapes.items() if k not in ("layer", "d2t")}
-    params["layer"] = {k: make(("layer", k), s) for k, s in shapes["layer"].items()}
-    params["d2t"] = (used - jnp.arange(cfg.draft_vocab_size)).astype(jnp.int32)
-    params["embed"] = embed
-    return params
+    used = jnp.sort(jax.random.permutation(rngs.params(), cfg.vocab_size)[: cfg.draft_vocab_size])
+    head = Eagle3Head(cfg, rngs=rngs, scale=cfg.hidden_size ** -0.5, embed=embed,
+                      d2t=used - jnp.arange(cfg.draft_vocab_size))
+    head.lm_head.value = normal(rngs, head.lm_head.shape, dtype, 1.0)
+    for norm in (head.final_norm, head.layer.embed_norm, head.layer.hidden_norm, head.layer.mlp_norm):
+        norm.value = 1.0 + normal(rngs, norm.shape, dtype, 0.1)
+    return to_params(head)
 
 
 def concat_features(features: Sequence[jax.Array]) -> jax.Array:
@@ -116,79 +209,9 @@ def concat_features(features: Sequence[jax.Array]) -> jax.Array:
     return jnp.concatenate(list(features), axis=-1)
 
 
-def fuse_features(params: dict, features_BTF: jax.Array) -> jax.Array:
-    """fc: target features [B, T, 3*Ht] -> the head's hidden input [B, T, H]. First step only."""
-    return features_BTF.astype(params["fc"].dtype) @ params["fc"]
-
-
 def init_head_cache(cfg: Eagle3Config, batch: int, max_len: int) -> KVCache:
     """The head's own KV cache: one layer, a [B, S, Hkv, D] buffer, lengths 0."""
     return init_cache(cfg.layer_cfg, batch, max_len, per_layer=True)
-
-
-def midlayer_qkv(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array,
-                 positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The head layer up to attention: q, k, v (RoPE applied) from concat(norm(embed(ids)), norm(h)).
-
-    Shared by serving (`midlayer`, over the KV cache) and training (specjax.train.eagle3, over the
-    training-time-test attention), so both run the same input fusion and projections.
-    """
-    p = params["layer"]
-    emb_BTD = params["embed"][ids_BT].astype(h_BTD.dtype)
-    x_BT2D = jnp.concatenate([rms_norm(emb_BTD, p["embed_norm"], cfg.rms_norm_eps),
-                              rms_norm(h_BTD, p["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    return project_qkv(cfg.layer_cfg, p, x_BT2D, positions_BT, rope_inv_freq(cfg.rope, cfg.head_dim))
-
-
-def midlayer_out(cfg: Eagle3Config, params: dict, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
-    """The head layer after attention: o_proj + residual, then the MLP block; the pre-norm output [B, T, H]."""
-    return attn_out_and_mlp(cfg.layer_cfg, params["layer"], h_BTD, o_BTHD)
-
-
-def midlayer(cfg: Eagle3Config, params: dict, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *,
-             positions_BT: jax.Array | None = None, mask_BTR: jax.Array | None = None, slot=0,
-             attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """The head's decoder layer over T new rows per row after each row's cached prefix.
-
-    ids_BT are target token ids (embedded with params["embed"]); h_BTD the hidden input (fc of
-    the features, or the head's own previous output). K/V are written at `lengths + slot + t`;
-    lengths stay unchanged (the caller advances or commits, as for the target's forward).
-    positions default to `lengths + t`, mask_BTR to causal among the new rows. A tree level passes
-    its window: slot and a mask over the R slots after the prefix (see `decoder.cached_attention`).
-    Returns the pre-norm hidden states [B, T, H] and the cache.
-    """
-    b, t = ids_BT.shape
-    lengths_B = cache.lengths
-    if positions_BT is None:
-        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if mask_BTR is None:
-        mask_BTR = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    q_BTHD, k_BTKD, v_BTKD = midlayer_qkv(cfg, params, ids_BT, h_BTD, positions_BT)
-    (k_buf,), (v_buf,) = cache.k, cache.v
-    o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTR,
-                                            attn_impl, slot)
-    return midlayer_out(cfg, params, h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
-
-
-def draft_logits(cfg: Eagle3Config, params: dict, h_BTD: jax.Array) -> jax.Array:
-    """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
-    x_BTD = rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", x_BTD, params["lm_head"], preferred_element_type=jnp.float32)
-
-
-def to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
-    """Target token ids of draft-vocabulary ids: draft_id + d2t[draft_id]."""
-    return (draft_ids + params["d2t"][draft_ids]).astype(jnp.int32)
-
-
-def target_logits(cfg: Eagle3Config, params: dict, draft_logits_XV: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits scattered into the target vocabulary [..., V]; tokens outside it get -inf.
-
-    For samplers and verifiers that work in target ids (q over the target vocabulary).
-    """
-    ids_V = to_target_ids(params, jnp.arange(cfg.draft_vocab_size))
-    full = jnp.full((*draft_logits_XV.shape[:-1], cfg.vocab_size), -jnp.inf, draft_logits_XV.dtype)
-    return full.at[..., ids_V].set(draft_logits_XV)
 
 
 # ---- the drafter: chains and trees -------------------------------------------------------------------------
@@ -221,7 +244,8 @@ class Eagle3Drafter:
             paired with the next accepted token (the bonus for the last), writing rows P .. P+N-1
             (over every provisional slot, chain or tree) before lengths advance by the number
             accepted; rows past the new length are never read.
-    params: see the module docstring; `embed` must be present (the target's table, see `eagle3_drafter`).
+    params: Eagle3Head's plain-dict form (module docstring), merged back into the head (`head_of`) at the top
+    of init / propose / update; `embed` must be present (the target's table, see `eagle3_drafter`).
     """
 
     cfg: Eagle3Config
@@ -229,6 +253,11 @@ class Eagle3Drafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "eagle3"
+
+    @property
+    def model(self) -> Eagle3Head:
+        """The head as a Flax NNX module over the same arrays as `params` (for notebooks: nnx.display)."""
+        return head_of(self.cfg, self.params)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -253,53 +282,53 @@ class Eagle3Drafter:
         # expansion step. Each plus the update pass: the tree's max depth in every case.
         return self.settings.tree.max_depth
 
-    def _rows(self, params, ids_BT, features, cache, positions_BT=None):
+    def _rows(self, head: Eagle3Head, ids_BT, features, cache):
         """Head pass from target features: fc, then the layer; cache lengths unchanged."""
-        h_BTD = fuse_features(params, concat_features(features))
-        return midlayer(self.cfg, params, ids_BT, h_BTD, cache, positions_BT=positions_BT, attn_impl=self.attn_impl)
+        return head.midlayer(ids_BT, head.fuse(concat_features(features)), cache, attn_impl=self.attn_impl)
 
     def init(self, params, ctx: PrefillContext):
+        head = head_of(self.cfg, params)
         b, t = ctx.prompt.shape
         cache = init_head_cache(self.cfg, b, self.settings.cache_len)
         rows_BT = jnp.arange(t)[None, :]
         last_B1 = (ctx.prompt_len - 1)[:, None]
         next_BT = jnp.concatenate([ctx.prompt[:, 1:], ctx.prompt[:, :1]], axis=1)  # row p -> t_{p+1}
         next_BT = jnp.where(rows_BT == last_B1, ctx.root[:, None], next_BT)
-        h_BTD, cache = self._rows(params, next_BT, ctx.features, cache)
+        h_BTD, cache = self._rows(head, next_BT, ctx.features, cache)
         last_h_BD = jnp.take_along_axis(h_BTD, last_B1[:, :, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_h_BD
 
-    def _choose(self, params, keys_B, h_BD):
+    def _choose(self, head: Eagle3Head, keys_B, h_BD):
         """Next draft (a target id) from the head's hidden; q over the target vocabulary when sampling; and,
         when recording (inspect_draft), the target-vocabulary logits it was chosen from."""
-        logits_BV = draft_logits(self.cfg, params, h_BD[:, None])[:, 0]
-        record = target_logits(self.cfg, params, logits_BV) if self.settings.record_logits else None
+        logits_BV = head.draft_logits(h_BD[:, None])[:, 0]
+        record = head.target_logits(logits_BV) if self.settings.record_logits else None
         if self.settings.sampling.greedy:
-            return to_target_ids(params, jnp.argmax(logits_BV, axis=-1)), None, record
-        logp_BV = sampling_logprobs(target_logits(self.cfg, params, logits_BV), self.settings.sampling)
+            return head.to_target_ids(jnp.argmax(logits_BV, axis=-1)), None, record
+        logp_BV = sampling_logprobs(head.target_logits(logits_BV), self.settings.sampling)
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), record
 
     def propose(self, params, state, root_B, keys_B):
-        tree = self.settings.tree
+        head, tree = head_of(self.cfg, params), self.settings.tree
         if isinstance(tree, DynamicTreeSpec):
-            return self._propose_dynamic(params, state, root_B)
+            return self._propose_dynamic(head, state, root_B)
         if not tree.is_chain:
-            return self._propose_tree(params, state, root_B)
-        return self._propose_chain(params, state, root_B, keys_B)
+            return self._propose_tree(head, state, root_B)
+        return self._propose_chain(head, state, root_B, keys_B)
 
-    def _propose_chain(self, params, state, root_B, keys_B):
+    def _propose_chain(self, head: Eagle3Head, state, root_B, keys_B):
         cache, last_h_BD = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV, logits_BV = self._choose(params, keys[0], last_h_BD)
+        tok_B, q_BV, logits_BV = self._choose(head, keys[0], last_h_BD)
 
         def step(carry, xs):
             kc, vc, tok_B, h_BD = carry
             i, step_keys_B = xs
-            h_B1D, c = midlayer(self.cfg, params, tok_B[:, None], h_BD[:, None], KVCache(kc, vc, length_B + i),
-                                attn_impl=self.attn_impl)
-            nxt_B, q_BV, logits_BV = self._choose(params, step_keys_B, h_B1D[:, 0])
+            h_B1D, c = head.midlayer(tok_B[:, None], h_BD[:, None], KVCache(kc, vc, length_B + i),
+                                     attn_impl=self.attn_impl)
+            nxt_B, q_BV, logits_BV = self._choose(head, step_keys_B, h_B1D[:, 0])
             return (c.k, c.v, nxt_B, h_B1D[:, 0]), (nxt_B, q_BV, logits_BV)
 
         (kc, vc, _, _), (rest_KB, rest_q, rest_logits) = lax.scan(
@@ -310,7 +339,7 @@ class Eagle3Drafter:
                       chain_nodes(q_BV, rest_q), logits=chain_nodes(logits_BV, rest_logits))
         return draft, (KVCache(kc, vc, length_B), last_h_BD)
 
-    def _propose_tree(self, params, state, root_B):
+    def _propose_tree(self, head: Eagle3Head, state, root_B):
         """Static tree, greedy: level by level, each level's nodes run once (see the class docstring).
 
         Window slots: the nodes of levels 1 .. max_depth - 1 (the ones that are run) in level order,
@@ -334,14 +363,14 @@ class Eagle3Drafter:
         record = self.settings.record_logits
         length_B = cache.lengths
         h_BKD = last_h_BD[:, None]  # the previous level's pre-norm outputs (level 0: the root's)
-        logits_BKV = draft_logits(self.cfg, params, h_BKD)
+        logits_BKV = head.draft_logits(h_BKD)
         tokens = {0: root_B.astype(jnp.int32)}
         node_logits = {}
         for d in range(1, dmax + 1):
             par = np.asarray([at[parents[i]] for i in levels[d]])
             rk = np.asarray([ranks[i] for i in levels[d]])
             top_BKW = lax.top_k(logits_BKV, width)[1]
-            tok_BM = to_target_ids(params, top_BKW[:, par, rk])
+            tok_BM = head.to_target_ids(top_BKW[:, par, rk])
             for j, i in enumerate(levels[d]):
                 tokens[i] = tok_BM[:, j]
                 if record:
@@ -351,18 +380,18 @@ class Eagle3Drafter:
             m = len(levels[d])
             positions_BM = jnp.broadcast_to((length_B + d - 1)[:, None], (b, m))
             mask_BMR = jnp.broadcast_to(jnp.asarray(anc_RR[[slot[i] for i in levels[d]]]), (b, m, anc_RR.shape[1]))
-            h_BKD, cache = midlayer(self.cfg, params, tok_BM, h_BKD[:, par], cache, positions_BT=positions_BM,
-                                    mask_BTR=mask_BMR, slot=slot[levels[d][0]], attn_impl=self.attn_impl)
-            logits_BKV = draft_logits(self.cfg, params, h_BKD)
+            h_BKD, cache = head.midlayer(tok_BM, h_BKD[:, par], cache, positions_BT=positions_BM, mask_BTR=mask_BMR,
+                                         slot=slot[levels[d][0]], attn_impl=self.attn_impl)
+            logits_BKV = head.draft_logits(h_BKD)
         tokens_BN = jnp.stack([tokens[i] for i in range(n)], axis=1)
         logits = None
         if record:
             zeros_BV = jnp.zeros_like(node_logits[1])
-            logits = target_logits(self.cfg, params, jnp.stack([zeros_BV] + [node_logits[i] for i in range(1, n)], 1))
+            logits = head.target_logits(jnp.stack([zeros_BV] + [node_logits[i] for i in range(1, n)], 1))
         draft = Draft(tokens_BN, spec_arrays(tree, b), jnp.ones((b, n), jnp.bool_), logits=logits)
         return draft, (KVCache(cache.k, cache.v, length_B), last_h_BD)
 
-    def _propose_dynamic(self, params, state, root_B):
+    def _propose_dynamic(self, head: Eagle3Head, state, root_B):
         """EAGLE-2 dynamic tree, greedy (q None). Expansion step s runs its top_k frontier nodes at
         position P + s, window slots s*top_k + f (`Frontier.slot`), each fed its parent's pre-norm
         output (step 0: last_h) and attending to the prefix and `Frontier.ancestors`."""
@@ -371,17 +400,16 @@ class Eagle3Drafter:
         b, k = root_B.shape[0], spec.top_k
         length_B = cache.lengths
         record = self.settings.record_logits
-        root_logits_BV = draft_logits(self.cfg, params, last_h_BD[:, None])[:, 0]
+        root_logits_BV = head.draft_logits(last_h_BD[:, None])[:, 0]
         rec = jnp.zeros((b, spec.num_expanded, self.cfg.draft_vocab_size), jnp.float32) if record else None
 
         def step(frontier, carry):
             kc, vc, h_prev_BKD, rec = carry
             h_in_BKD = jnp.take_along_axis(h_prev_BKD, frontier.parent[:, :, None], axis=1)
             positions_BK = jnp.broadcast_to((length_B + frontier.step)[:, None], (b, k))
-            h_BKD, c = midlayer(self.cfg, params, frontier.tokens, h_in_BKD, KVCache(kc, vc, length_B),
-                                positions_BT=positions_BK, mask_BTR=frontier.ancestors, slot=frontier.slot,
-                                attn_impl=self.attn_impl)
-            logits_BKV = draft_logits(self.cfg, params, h_BKD)
+            h_BKD, c = head.midlayer(frontier.tokens, h_in_BKD, KVCache(kc, vc, length_B), positions_BT=positions_BK,
+                                     mask_BTR=frontier.ancestors, slot=frontier.slot, attn_impl=self.attn_impl)
+            logits_BKV = head.draft_logits(h_BKD)
             if record:
                 rec = lax.dynamic_update_slice(rec, logits_BKV, (0, frontier.slot, 0))
             return jax.nn.log_softmax(logits_BKV, axis=-1), (c.k, c.v, h_BKD, rec)
@@ -389,14 +417,14 @@ class Eagle3Drafter:
         h0_BKD = jnp.broadcast_to(last_h_BD[:, None], (b, k, last_h_BD.shape[-1]))
         tree, (kc, vc, _, rec) = build_tree(spec, root_B, jax.nn.log_softmax(root_logits_BV, axis=-1), step,
                                             (cache.k, cache.v, h0_BKD, rec),
-                                            to_token=lambda i: to_target_ids(params, i))
+                                            to_token=head.to_target_ids)
         logits = None
         if record:  # each node's logits are its parent's: the root's, or those of the slot the parent ran in
             pslot_BN = jnp.take_along_axis(tree.expanded_slot, jnp.maximum(tree.parents, 0), axis=1)
             from_slot_BNV = jnp.take_along_axis(rec, jnp.maximum(pslot_BN, 0)[:, :, None], axis=1)
             node_BNV = jnp.where((pslot_BN < 0)[:, :, None], root_logits_BV[:, None], from_slot_BNV)
             node_BNV = node_BNV.at[:, 0].set(0.0)
-            logits = target_logits(self.cfg, params, node_BNV)
+            logits = head.target_logits(node_BNV)
         draft = Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_), logits=logits)
         return draft, (KVCache(kc, vc, length_B), last_h_BD)
 
@@ -405,7 +433,7 @@ class Eagle3Drafter:
         path_BN = verdict.path
         feats = tuple(jnp.take_along_axis(f, path_BN[:, :, None], axis=1) for f in features)
         next_BN = accepted_tokens(draft, verdict)  # row i (node path[i]) pairs with the token after it
-        h_BND, cache = self._rows(params, next_BN, feats, cache)
+        h_BND, cache = self._rows(head_of(self.cfg, params), next_BN, feats, cache)
         last_B11 = jnp.maximum(verdict.num_accepted - 1, 0)[:, None, None]
         new_h_BD = jnp.take_along_axis(h_BND, last_B11, axis=1)[:, 0]
         last_h_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_h_BD, last_h_BD)

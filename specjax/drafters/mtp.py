@@ -16,7 +16,7 @@ Two checkpoint layouts (see convert/mtp.py for the tensor names):
     norm shared by all `mtp.layers`; those norms are zero-centred as in Qwen3-Next (scale
     1 + w, `zero_centered`); logits use the target's lm_head. The hidden fed to the next draft
     step is final_norm(h') (vLLM's Qwen3NextMultiTokenPredictor returns it normed).
-The block itself is always the target's dense layer (specjax's `qkv` / `attn_out_and_mlp`),
+The block itself is always the target's dense layer (the decoder's `DecoderLayer`),
 whatever the original model's block was (MLA / MoE blocks are out of scope).
 
 Drafting (chains): draft 1 comes from MTP layer 0 at the newest committed row (the target's
@@ -32,9 +32,11 @@ step's own position), so a layer used every n-th step sees its committed prefix 
 earlier guesses, never an unwritten row. `update` recomputes every layer's rows for the
 accepted path from the target's true hidden states, as Eagle3Drafter does.
 
-Params (what `MtpDrafter` runs; [in, out] matrices):
-    layers: tuple of per-layer dicts {embed_norm [H], hidden_norm [H], fc [2H, H], final_norm [H],
-            block {the decoder's layer keys}, optionally embed [V, H] and lm_head [H, V]}
+The network is `MtpHead` (an NNX module): `MtpLayer`s (the fuse norms and fc, a `DecoderLayer`
+block, the final norm) and the target's tables they borrow. Its plain-dict form (what `MtpDrafter`
+carries; [in, out] matrices):
+    layers: {0: {embed_norm [H], hidden_norm [H], fc [2H, H], final_norm [H], block {the decoder's
+            layer keys}, optionally embed [V, H] and lm_head [H, V]}, 1: ...}
             (the Qwen3-Next layout's shared modules appear in each entry, the same arrays);
     embed [V, H] and, for an untied target, lm_head [H, V]: the target's own arrays.
 """
@@ -46,26 +48,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
+from specjax.models.decoder import DecoderLayer
+from specjax.models.layers import causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.state import merged, shapes_of
 
 LAYOUTS = ("deepseek", "qwen3_next")
 
 
 @dataclasses.dataclass(frozen=True)
 class MtpConfig:
-    """Shape and numerics of a target's MTP layers (hashable: part of the compiled loop's key)."""
+    """Shape and numerics of a target's MTP layers (hashable: part of the compiled loop's key).
+
+    own_embed / own_lm_head: the MTP layers that carry their own table (DeepSeek-V3 layout); the
+    others use the target's.
+    """
 
     layout: str  # "deepseek" | "qwen3_next"
     num_layers: int  # MTP layers
     target: ModelConfig  # the target's config: the block is one of its layers
+    own_embed: tuple[int, ...] = ()
+    own_lm_head: tuple[int, ...] = ()
 
     @property
     def block(self) -> ModelConfig:
@@ -88,75 +98,111 @@ class MtpConfig:
         return self.layout == "qwen3_next"
 
 
-# ---- the head step, shared by serving, parity tests and training -------------------------------------------
+# ---- the network, shared by serving, parity tests and training ---------------------------------------------
 
 
-def layout_norm(cfg: MtpConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The MTP module's own RMSNorms (not the block's): scale w, or 1 + w for the Qwen3-Next layout."""
-    return rms_norm(x, 1.0 + weight if cfg.zero_centered else weight, cfg.target.rms_norm_eps)
+class MtpLayer(nnx.Module):
+    """One MTP layer: embed_norm, hidden_norm, fc [2H, H] (the fuse), a decoder layer of the target's family
+    (block), final_norm; optionally its own embed [V, H] / lm_head [H, V].
 
-
-def layer_params(params: dict, j: int) -> dict:
-    return params["layers"][j]
-
-
-def embed_rows(params: dict, j: int, ids_BT: jax.Array) -> jax.Array:
-    """Embeddings of ids from layer j's own table when it has one, else the target's."""
-    lp = layer_params(params, j)
-    return (lp["embed"] if "embed" in lp else params["embed"])[ids_BT]
-
-
-def fuse(cfg: MtpConfig, params: dict, j: int, ids_BT: jax.Array, h_BTD: jax.Array,
-         positions_BT: jax.Array) -> jax.Array:
-    """fc(concat(embed_norm(embed(ids)), hidden_norm(h))): the block's input [B, T, H]."""
-    lp = layer_params(params, j)
-    emb_BTD = embed_rows(params, j, ids_BT).astype(h_BTD.dtype)
-    if cfg.mask_position0:
-        emb_BTD = jnp.where((positions_BT == 0)[..., None], jnp.zeros_like(emb_BTD), emb_BTD)
-    x_BT2D = jnp.concatenate([layout_norm(cfg, emb_BTD, lp["embed_norm"]),
-                              layout_norm(cfg, h_BTD, lp["hidden_norm"])], axis=-1)
-    return x_BT2D @ lp["fc"]
-
-
-def head_step(cfg: MtpConfig, params: dict, j: int, ids_BT: jax.Array, h_BTD: jax.Array, k_buf: jax.Array,
-              v_buf: jax.Array, lengths_B: jax.Array, *, positions_BT: jax.Array | None = None,
-              mask_BTT: jax.Array | None = None, attn_impl: str = "auto"):
-    """MTP layer j over T new rows per row of the batch, after each row's `lengths_B` cached rows.
-
-    ids_BT: the tokens paired with h_BTD (t_{p+1} with h_p). K/V are written at lengths + t;
-    positions default to lengths + t, the mask among new rows to causal.
-    Returns (the block's output before the final norm [B, T, H], k_buf, v_buf).
+    Initialised as the decoder initialises a layer: normal(0, scale) matrices, identity norms (ones; zeros
+    for the zero-centred Qwen3-Next norms).
     """
-    b, t = ids_BT.shape
-    if positions_BT is None:
-        positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if mask_BTT is None:
-        mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-    block_cfg, p = cfg.block, layer_params(params, j)["block"]
-    x_BTD = fuse(cfg, params, j, ids_BT, h_BTD, positions_BT)
-    q_BTHD, k_BTKD, v_BTKD = qkv(block_cfg, p, x_BTD, positions_BT, rope_inv_freq(block_cfg.rope, block_cfg.head_dim))
-    o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTT, attn_impl)
-    return attn_out_and_mlp(block_cfg, p, x_BTD, o_BTHD), k_buf, v_buf
+
+    def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs, scale: float = 0.02, own_embed: bool = False,
+                 own_lm_head: bool = False):
+        self.cfg = cfg
+        t = cfg.target
+        h, dtype = t.hidden_size, jnp.dtype(t.dtype)
+        identity = (jnp.zeros if cfg.zero_centered else jnp.ones)((h,), dtype)
+        self.embed_norm, self.hidden_norm = param(identity, "embed"), param(identity, "embed")
+        self.fc = param(normal(rngs, (2 * h, h), dtype, scale), None, "embed")
+        self.block = DecoderLayer(cfg.block, rngs=rngs, scale=scale)
+        self.final_norm = param(identity, "embed")
+        self.embed = param(normal(rngs, (t.vocab_size, h), dtype, scale), "vocab", "embed") if own_embed else None
+        self.lm_head = param(normal(rngs, (h, t.vocab_size), dtype, scale), "embed", "vocab") if own_lm_head else None
+
+    def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
+        """The MTP module's own RMSNorms (not the block's): scale w, or 1 + w for the Qwen3-Next layout."""
+        w = weight[...]
+        return rms_norm(x, 1.0 + w if self.cfg.zero_centered else w, self.cfg.target.rms_norm_eps)
+
+    def fuse(self, emb_BTD: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """fc(concat(embed_norm(emb), hidden_norm(h))): the block's input [B, T, H]."""
+        emb_BTD = emb_BTD.astype(h_BTD.dtype)
+        if self.cfg.mask_position0:
+            emb_BTD = jnp.where((positions_BT == 0)[..., None], jnp.zeros_like(emb_BTD), emb_BTD)
+        x_BT2D = jnp.concatenate([self.norm(emb_BTD, self.embed_norm), self.norm(h_BTD, self.hidden_norm)], axis=-1)
+        return x_BT2D @ self.fc[...]
+
+    def final_normed(self, out_BTD: jax.Array) -> jax.Array:
+        return self.norm(out_BTD, self.final_norm)
+
+    def feedback(self, out_BTD: jax.Array) -> jax.Array:
+        """The hidden the next draft step reads: after the final norm (Qwen3-Next) or before (DeepSeek)."""
+        return self.final_normed(out_BTD) if self.cfg.feed_back_normed else out_BTD
 
 
-def final_normed(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
-    return layout_norm(cfg, out_BTD, layer_params(params, j)["final_norm"])
+class MtpHead(nnx.Module):
+    """A target's MTP layers (an nnx.List of `MtpLayer`) and the target's tables: embed and, untied, lm_head."""
+
+    def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs, scale: float = 0.02):
+        self.cfg = cfg
+        t = cfg.target
+        self.layers = nnx.List([MtpLayer(cfg, rngs=rngs, scale=scale, own_embed=j in cfg.own_embed,
+                                         own_lm_head=j in cfg.own_lm_head) for j in range(cfg.num_layers)])
+        dtype = jnp.dtype(t.dtype)
+        self.embed = param(normal(rngs, (t.vocab_size, t.hidden_size), dtype, scale), "vocab", "embed")
+        self.lm_head = None if t.tie_word_embeddings else \
+            param(normal(rngs, (t.hidden_size, t.vocab_size), dtype, scale), "embed", "vocab")
+
+    def fused(self, j: int, ids_BT: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """Layer j's block input from the paired tokens (embedded with its own table when it has one)."""
+        layer = self.layers[j]
+        table = (layer.embed if layer.embed is not None else self.embed)[...]
+        return layer.fuse(table[ids_BT], h_BTD, positions_BT)
+
+    def step(self, j: int, ids_BT: jax.Array, h_BTD: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
+             lengths_B: jax.Array, *, positions_BT: jax.Array | None = None, mask_BTT: jax.Array | None = None,
+             attn_impl: str = "auto"):
+        """MTP layer j over T new rows per row of the batch, after each row's `lengths_B` cached rows.
+
+        ids_BT: the tokens paired with h_BTD (t_{p+1} with h_p). K/V are written at lengths + t;
+        positions default to lengths + t, the mask among new rows to causal.
+        Returns (the block's output before the final norm [B, T, H], k_buf, v_buf).
+        """
+        b, t = ids_BT.shape
+        if positions_BT is None:
+            positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if mask_BTT is None:
+            mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
+        block_cfg = self.cfg.block
+        x_BTD = self.fused(j, ids_BT, h_BTD, positions_BT)
+        return self.layers[j].block(x_BTD, k_buf, v_buf, None, lengths_B, positions_BT, mask_BTT,
+                                    rope_inv_freq(block_cfg.rope, block_cfg.head_dim), attn_impl)
+
+    def feedback(self, j: int, out_BTD: jax.Array) -> jax.Array:
+        return self.layers[j].feedback(out_BTD)
+
+    def logits(self, j: int, out_BTD: jax.Array) -> jax.Array:
+        """fp32 logits over the target vocabulary [..., V] from layer j's pre-norm output."""
+        layer = self.layers[j]
+        x = layer.final_normed(out_BTD)
+        if layer.lm_head is not None:
+            return jnp.einsum("...d,dv->...v", x, layer.lm_head[...], preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: the [V, H] table as stored
+            return jnp.einsum("...d,vd->...v", x, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
 
-def feedback(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
-    """The hidden the next draft step reads: after the final norm (Qwen3-Next) or before (DeepSeek)."""
-    return final_normed(cfg, params, j, out_BTD) if cfg.feed_back_normed else out_BTD
+def head_of(cfg: MtpConfig, params: dict) -> MtpHead:
+    """The MtpHead holding `params` (the same arrays, nothing copied): how traced code runs a params dict."""
+    return merged(MtpHead, cfg, params)
 
 
-def head_logits(cfg: MtpConfig, params: dict, j: int, out_BTD: jax.Array) -> jax.Array:
-    """fp32 logits over the target vocabulary [..., V] from layer j's pre-norm output."""
-    x = final_normed(cfg, params, j, out_BTD)
-    lp = layer_params(params, j)
-    if "lm_head" in lp:
-        return jnp.einsum("...d,dv->...v", x, lp["lm_head"], preferred_element_type=jnp.float32)
-    if cfg.target.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+def layer_shapes(target: ModelConfig) -> dict:
+    """The shape of every parameter of one MTP layer on `target` (no own tables): what conversion checks against."""
+    return shapes_of(lambda: MtpLayer(MtpConfig("deepseek", 1, target), rngs=nnx.Rngs(0)))
 
 
 def init_head_cache(cfg: MtpConfig, batch: int, max_len: int) -> KVCache:
@@ -179,7 +225,7 @@ def stored_num_layers(stored: dict) -> int:
 def drafter_params(stored: dict, target_params: dict, target_cfg: ModelConfig) -> dict:
     """The drafter's params from `Target.mtp` (see convert/mtp.py) and the target's embed / lm_head."""
     shared = {k: v for k, v in stored.items() if k != "layers"}
-    layers = tuple({**shared, **stored["layers"][str(j)]} for j in range(stored_num_layers(stored)))
+    layers = {j: {**shared, **stored["layers"][str(j)]} for j in range(stored_num_layers(stored))}
     params = {"layers": layers, "embed": target_params["embed"]}
     if not target_cfg.tie_word_embeddings:
         params["lm_head"] = target_params["lm_head"]
@@ -195,7 +241,8 @@ class MtpDrafter:
 
     State: (per-layer KV caches whose `lengths` equal the target's, `last_out_BD`): layer 0's
     pre-norm output at the newest committed row, the row paired with the current root, whose
-    logits are the first draft.
+    logits are the first draft. params: MtpHead's plain-dict form (module docstring), merged back into
+    the head (`head_of`) at the top of init / propose / update.
     """
 
     cfg: MtpConfig
@@ -203,6 +250,11 @@ class MtpDrafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "mtp"
+
+    @property
+    def model(self) -> MtpHead:
+        """The head as a Flax NNX module over the same arrays as `params` (for notebooks: nnx.display)."""
+        return head_of(self.cfg, self.params)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -219,12 +271,11 @@ class MtpDrafter:
     def calls_per_round(self) -> int:
         return self.settings.tree.num_nodes - 1 + self.cfg.num_layers - 1  # K - 1 drafting passes + n update passes
 
-    def _true_rows(self, params, cache: KVCache, ids_BT, h_BTD):
+    def _true_rows(self, head: MtpHead, cache: KVCache, ids_BT, h_BTD):
         """Every MTP layer over rows paired with true target hidden states; returns layer 0's outputs."""
         ks, vs, outs = list(cache.k), list(cache.v), []
         for j in range(self.cfg.num_layers):
-            out, ks[j], vs[j] = head_step(self.cfg, params, j, ids_BT, h_BTD, ks[j], vs[j], cache.lengths,
-                                          attn_impl=self.attn_impl)
+            out, ks[j], vs[j] = head.step(j, ids_BT, h_BTD, ks[j], vs[j], cache.lengths, attn_impl=self.attn_impl)
             outs.append(out)
         return outs[0], KVCache(tuple(ks), tuple(vs), cache.lengths)
 
@@ -235,35 +286,35 @@ class MtpDrafter:
         last_B1 = (ctx.prompt_len - 1)[:, None]
         next_BT = jnp.concatenate([ctx.prompt[:, 1:], ctx.prompt[:, :1]], axis=1)  # row p -> t_{p+1}
         next_BT = jnp.where(rows_BT == last_B1, ctx.root[:, None], next_BT)
-        out_BTD, cache = self._true_rows(params, cache, next_BT, ctx.features[0])
+        out_BTD, cache = self._true_rows(head_of(self.cfg, params), cache, next_BT, ctx.features[0])
         last_out_BD = jnp.take_along_axis(out_BTD, last_B1[:, :, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_out_BD
 
-    def _choose(self, params, j, keys_B, out_BD):
+    def _choose(self, head: MtpHead, j, keys_B, out_BD):
         """Next draft from layer j's output, q over the vocabulary when sampling, and the logits it came from."""
-        logits_BV = head_logits(self.cfg, params, j, out_BD)
+        logits_BV = head.logits(j, out_BD)
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None, logits_BV
         logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), logits_BV
 
     def propose(self, params, state, root_B, keys_B):
-        cache, last_out_BD = state
+        head, (cache, last_out_BD) = head_of(self.cfg, params), state
         n, length_B = self.cfg.num_layers, cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV, logits_BV = self._choose(params, 0, keys[0], last_out_BD)
-        h_BD = feedback(self.cfg, params, 0, last_out_BD)
+        tok_B, q_BV, logits_BV = self._choose(head, 0, keys[0], last_out_BD)
+        h_BD = head.feedback(0, last_out_BD)
         ks, vs, uses = list(cache.k), list(cache.v), [0] * n
         tokens, qs, logits = [tok_B], [q_BV], [logits_BV]
         for s in range(1, k):
             j = s % n
             pos_B1 = (length_B - 1 + s)[:, None]
-            out_B1D, ks[j], vs[j] = head_step(self.cfg, params, j, tok_B[:, None], h_BD[:, None], ks[j], vs[j],
-                                              length_B + uses[j], positions_BT=pos_B1, attn_impl=self.attn_impl)
+            out_B1D, ks[j], vs[j] = head.step(j, tok_B[:, None], h_BD[:, None], ks[j], vs[j], length_B + uses[j],
+                                              positions_BT=pos_B1, attn_impl=self.attn_impl)
             uses[j] += 1
-            tok_B, q_BV, logits_BV = self._choose(params, j, keys[s], out_B1D[:, 0])
-            h_BD = feedback(self.cfg, params, j, out_B1D[:, 0])
+            tok_B, q_BV, logits_BV = self._choose(head, j, keys[s], out_B1D[:, 0])
+            h_BD = head.feedback(j, out_B1D[:, 0])
             tokens.append(tok_B)
             qs.append(q_BV)
             logits.append(logits_BV)
@@ -278,7 +329,7 @@ class MtpDrafter:
         cache, last_out_BD = state
         h_BND = jnp.take_along_axis(features[0], verdict.path[:, :, None], axis=1)
         next_BN = accepted_tokens(draft, verdict)  # row i (node path[i]) pairs with the token after it
-        out_BND, cache = self._true_rows(params, cache, next_BN, h_BND)
+        out_BND, cache = self._true_rows(head_of(self.cfg, params), cache, next_BN, h_BND)
         last_B11 = jnp.maximum(verdict.num_accepted - 1, 0)[:, None, None]
         new_out_BD = jnp.take_along_axis(out_BND, last_B11, axis=1)[:, 0]
         last_out_BD = jnp.where((verdict.num_accepted > 0)[:, None], new_out_BD, last_out_BD)
@@ -286,4 +337,8 @@ class MtpDrafter:
 
 
 def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
-    return MtpConfig(layout=stored_layout(stored), num_layers=stored_num_layers(stored), target=target_cfg)
+    """The MtpConfig of stored MTP layers (convert/mtp.py) on the target they belong to."""
+    layers = [stored["layers"][str(j)] for j in range(stored_num_layers(stored))]
+    return MtpConfig(layout=stored_layout(stored), num_layers=len(layers), target=target_cfg,
+                     own_embed=tuple(j for j, layer in enumerate(layers) if "embed" in layer),
+                     own_lm_head=tuple(j for j, layer in enumerate(layers) if "lm_head" in layer))

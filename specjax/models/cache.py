@@ -2,7 +2,7 @@
 
 Layout `[layers, batch, max_len, kv_heads, head_dim]`, or a tuple of per-layer
 `[batch, max_len, kv_heads, head_dim]` buffers: the CPU layout, where XLA copies a layer
-out of a stacked buffer before reading it (see models/decoder.unstack_layers). Row b's visible prefix is
+out of a stacked buffer before reading it (see models/decoder.py). Row b's visible prefix is
 positions `0 .. lengths[b]-1`; anything past it is garbage that is never read.
 The model writes new tokens' K/V after the prefix; `commit` moves an accepted
 tree path to contiguous positions and advances `lengths`.

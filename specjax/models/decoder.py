@@ -16,8 +16,6 @@ already normed, ours is not: MTP heads want the pre-norm one).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +25,7 @@ from jax import lax
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache, init_cache
 from specjax.models.layers import apply_rope, cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
-from specjax.models.state import graph_of, shapes_of, to_params
+from specjax.models.state import merged, shapes_of, to_params
 
 
 class DecoderLayer(nnx.Module):
@@ -94,11 +92,13 @@ class DecoderLayer(nnx.Module):
         x_BTD = rms_norm(h_BTD, self.mlp_norm[...], self.cfg.rms_norm_eps)
         return h_BTD + (jax.nn.silu(x_BTD @ self.w_gate[...]) * (x_BTD @ self.w_up[...])) @ self.w_down[...]
 
-    def __call__(self, h_BTD, k_cache, v_cache, layer, lengths_B, positions_BT, mask_BTT, inv_freq, attn_impl: str):
-        """The layer over T new tokens; k/v_cache are the stacked cache (with `layer`) or its own buffers (None)."""
+    def __call__(self, h_BTD, k_cache, v_cache, layer, lengths_B, positions_BT, mask_BTR, inv_freq, attn_impl: str,
+                 slot=0):
+        """The layer over T new tokens written at window slot `slot` (see `cached_attention`); k/v_cache are the
+        stacked cache (with `layer`) or this layer's own buffers (layer None)."""
         q_BTHD, k_BTKD, v_BTKD = self.qkv(h_BTD, positions_BT, inv_freq)
         o_BTHD, k_cache, v_cache = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_cache, v_cache, layer, lengths_B,
-                                                    mask_BTT, attn_impl)
+                                                    mask_BTR, attn_impl, slot)
         return self.attn_out_and_mlp(h_BTD, o_BTHD), k_cache, v_cache
 
 
@@ -164,13 +164,17 @@ class Decoder(nnx.Module):
 
     def forward(self, tokens_BT: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
                 mask_BTT: jax.Array | None = None, capture: tuple[int, ...] = (), attn_impl: str = "auto",
-                ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+                slot=0) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
         """Run T new tokens per row after each row's cached prefix.
 
         Writes their K/V at `cache.lengths[b] + t` but leaves `lengths` unchanged: the
         caller advances it (prefill, decode) or commits an accepted path (verify).
         positions default to `lengths + t`; mask_BTT (query i sees new token j) defaults to
         causal — a tree passes its ancestor mask and per-node positions instead.
+        A dynamic tree's frontier runs T nodes at window slots `slot .. slot + T - 1` of a window of
+        R expanded slots after the prefix, mask_BTT [B, T, R] marking what each may see (its
+        ancestors and itself); attention then runs over the whole window, the one attention function
+        (the Pallas kernel on GPU) unchanged.
         Returns the final-normed hidden states [B, T, D], the captured hidden states
         (one [B, T, D] per entry of `capture`) and the updated cache.
         """
@@ -201,7 +205,7 @@ class Decoder(nnx.Module):
         def layer_fn(layer, i, idx, h, k_cache, v_cache, captured):
             captured = keep(captured, i, h)
             h, k_cache, v_cache = layer(h, k_cache, v_cache, idx, lengths_B, positions_BT, mask_BTT, inv_freq,
-                                        attn_impl)
+                                        attn_impl, slot)
             return h, k_cache, v_cache, captured
 
         h_BTD, (k, v), captured_UBTD = run_layers(self.layers, h_BTD, cache, layer_fn, captured_UBTD)
@@ -224,12 +228,6 @@ class Decoder(nnx.Module):
 
 
 # ---- the module's state as plain dicts: what conversion, checkpoints, export and the loops pass around ----
-
-
-@functools.lru_cache(maxsize=64)
-def graphdef(cfg: ModelConfig, per_layer: bool) -> nnx.GraphDef:
-    """The Decoder's graph for this config and layout (no weights are made: shapes only)."""
-    return graph_of(lambda: Decoder(cfg, rngs=nnx.Rngs(0), per_layer=per_layer))
 
 
 def has_layer_list(params: dict) -> bool:
@@ -275,7 +273,7 @@ def merge(cfg: ModelConfig, params: dict) -> Decoder:
     per_layer = has_layer_list(params)
     if per_layer and isinstance(params["layers"], (list, tuple)):
         params = unstack_layers(params)
-    return nnx.merge(graphdef(cfg, per_layer), params)
+    return merged(Decoder, cfg, params, per_layer=per_layer)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

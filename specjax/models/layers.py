@@ -26,7 +26,7 @@ def param(value: jax.Array, *axes: str | None) -> nnx.Param:
     """
     if len(axes) != value.ndim:
         raise ValueError(f"a parameter of shape {value.shape} needs {value.ndim} axis names, got {axes}")
-    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:

@@ -10,6 +10,7 @@ for a 32-layer model), which batch-1 decoding would pay per generate call.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -29,3 +30,14 @@ def graph_of(make: Callable[[], nnx.Module]) -> nnx.GraphDef:
 def shapes_of(make: Callable[[], nnx.Module]) -> dict:
     """The shape of every variable `make()` would create, as a nested dict of tuples."""
     return jax.tree.map(lambda x: tuple(x.shape), to_params(nnx.eval_shape(make)))
+
+
+@functools.lru_cache(maxsize=256)
+def module_graph(cls: type[nnx.Module], cfg, **options) -> nnx.GraphDef:
+    """The graph of `cls(cfg, rngs=..., **options)` (cached per hashable config and options; no weights made)."""
+    return graph_of(lambda: cls(cfg, rngs=nnx.Rngs(0), **options))
+
+
+def merged(cls: type[nnx.Module], cfg, params: dict, **options) -> nnx.Module:
+    """The `cls` module holding `params` (the same arrays, nothing copied): how traced code runs a params dict."""
+    return nnx.merge(module_graph(cls, cfg, **options), params)

@@ -10,7 +10,7 @@ import jax
 from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
-from specjax.models.decoder import Decoder, merge, stacked_layers, unstack_layers
+from specjax.models.decoder import Decoder, merge, with_layout
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,4 +82,4 @@ def serving_layout(params: dict, layout: str = "auto") -> dict:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "auto":
         layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"
-    return unstack_layers(params) if layout == "per_layer" else {**params, "layers": stacked_layers(params)}
+    return with_layout(params, per_layer=layout == "per_layer")

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import SamplingConfig
@@ -36,7 +38,7 @@ from specjax.decoding.request import bucket, round_cache_length
 from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.cache import KVCache, commit, init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.decoder import has_layer_list, merge
 from specjax.models.target import format_count
 
 
@@ -405,9 +407,6 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
     cache, which the loop does not pay (scripts/profile_vs_loop.py: 68 ms against 41 ms for a 1-node
     round). Tree shape does not change the cost, only N.
     """
-    import jax
-    import jax.numpy as jnp
-
     cfg, params = target.cfg, target.params
     spec = chain(nodes - 1) if nodes > 1 else None
     parents_BN = spec_arrays(spec, batch) if spec else jnp.full((batch, 1), -1, jnp.int32)
@@ -419,10 +418,11 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
         draft = Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_))
         mask_BNN = ancestor_mask(draft.parents)
         positions_BN = lengths_B[:, None] + depths(mask_BNN)
-        h_BND, _, cache = forward(params, cfg, tokens_BN, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
-                                  attn_impl=target.attn_impl)
+        model = merge(cfg, params)
+        h_BND, _, cache = model.forward(tokens_BN, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
+                                        attn_impl=target.attn_impl)
         keys_B = jax.random.split(jax.random.fold_in(jax.random.key(0), i), batch)
-        verdict = verify(draft, mask_BNN, lm_head(params, cfg, h_BND), sampling, keys_B)
+        verdict = verify(draft, mask_BNN, model.logits(h_BND), sampling, keys_B)
         return params, commit(cache, verdict.path, verdict.num_accepted), tokens_BN, lengths_B
 
     def rounds_fn(params, cache, tokens_BN, lengths_B):

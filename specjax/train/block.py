@@ -63,13 +63,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from specjax.config import ModelConfig, RopeConfig
-from specjax.drafters import dspark
-from specjax.drafters.dflash import BlockConfig, context_features, param_shapes, vocab_logits
-from specjax.models._legacy import attn_out_and_mlp, project_qkv, qkv
-from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.drafters import dflash, dspark
+from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.decoder import forward, has_layer_list, lm_head, run_layers
 from specjax.models.layers import rms_norm, rope_inv_freq
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
@@ -129,27 +129,16 @@ def init_head(cfg: BlockConfig | dspark.DSparkConfig, key: jax.Array, scale: flo
     At init a row's hidden is mostly its own input embedding, so the tied lm_head scores that token
     (MASK, or the anchor) far above the rest: first cross-entropies are ~40-50 nats; warm-up absorbs it.
 
-    DFlash: the block backbone. DSpark: the backbone plus markov_w1 / markov_w2 and confidence_w /
-    confidence_b; never its embed / lm_head copies (frozen: the target's) or confidence temperatures.
+    DFlash: the BlockBackbone. DSpark: the backbone plus the MarkovHead and the ConfidenceHead's Params;
+    never its Tables (frozen: the target's) or its confidence temperatures (a Calibration, fitted after).
     """
-    block = block_of(cfg)
-    dtype = jnp.dtype(block.layers.dtype)
-    shapes = dict(param_shapes(block))
+    rngs = nnx.Rngs(params=key)
+    modules = [BlockBackbone(block_of(cfg), rngs=rngs, scale=scale)]
     if isinstance(cfg, dspark.DSparkConfig):
-        shapes |= {k: v for k, v in dspark.param_shapes(cfg).items()
-                   if k not in ("embed", "lm_head", "confidence_temperature")}
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
-
-    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        if "norm" in name:
-            return jnp.ones(shape, dtype)
-        if name == "confidence_b":
-            return jnp.zeros(shape, dtype)
-        return (scale * jax.random.normal(k, shape)).astype(dtype)
-
-    return jax.tree_util.tree_unflatten(treedef, [make(path[-1].key, shape, k)
-                                                  for (path, shape), k in zip(leaves, keys)])
+        modules.append(dspark.MarkovHead(cfg, rngs=rngs, scale=scale))
+        if cfg.confidence:
+            modules.append(dspark.ConfidenceHead(cfg, rngs=rngs, scale=scale))
+    return {k: v for m in modules for k, v in nnx.to_pure_dict(nnx.state(m, nnx.Param)).items()}
 
 
 def frozen_params(target_params: dict, target_cfg: ModelConfig) -> dict:
@@ -164,7 +153,7 @@ def serving_params(cfg: BlockConfig | dspark.DSparkConfig, trainable: dict, froz
     """What the serving drafter runs: the trained weights plus the target's embed (and lm_head when untied).
 
     DSpark also gets confidence temperatures of 1 (uncalibrated). A tied target's lm_head is its
-    embedding, which `vocab_logits` reads when there is no `lm_head`.
+    embedding, which `Tables.logits` reads when there is no `lm_head`.
     """
     params = {**trainable, **{k: frozen[k] for k in ("embed", "lm_head") if k in frozen}}
     if isinstance(cfg, dspark.DSparkConfig) and cfg.confidence:
@@ -268,15 +257,7 @@ def masked_attention(q_BNHD: jax.Array, k_BTGD: jax.Array, v_BTGD: jax.Array, ma
     return jnp.einsum("bgrnt,btgd->bngrd", probs_BGRNT, v_BTGD).reshape(b, n, h, d)
 
 
-def _layer_list(layers) -> list[dict]:
-    """Per-layer dicts from the stacked ([L, ...]) or per-layer (tuple) layout."""
-    if isinstance(layers, (list, tuple)):
-        return list(layers)
-    count = next(iter(layers.values())).shape[0]
-    return [{k: v[i] for k, v in layers.items()} for i in range(count)]
-
-
-def block_forward(cfg: BlockConfig, params: dict, ctx_BSH: jax.Array, emb_BNH: jax.Array, positions_BN: jax.Array,
+def block_forward(backbone: BlockBackbone, ctx_BSH: jax.Array, emb_BNH: jax.Array, positions_BN: jax.Array,
                   mask_BNT: jax.Array) -> jax.Array:
     """Final-normed hidden states [B, N, H] of N block rows over S context rows (see the module docstring).
 
@@ -284,32 +265,36 @@ def block_forward(cfg: BlockConfig, params: dict, ctx_BSH: jax.Array, emb_BNH: j
     the block's q/K/V by `qkv` at positions_BN, attention under mask_BNT, then `attn_out_and_mlp`.
     """
     b, s, _ = ctx_BSH.shape
-    lc = cfg.layers
+    lc = backbone.cfg.layers
     inv_freq = rope_inv_freq(lc.rope, lc.head_dim)
     ctx_positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    h_BNH = emb_BNH.astype(params["fc"].dtype)
-    for p in _layer_list(params["layers"]):
-        _, k_ctx_BSGD, v_ctx_BSGD = project_qkv(lc, p, ctx_BSH, ctx_positions_BS, inv_freq)
-        q_BNHD, k_BNGD, v_BNGD = qkv(lc, p, h_BNH, positions_BN, inv_freq)
+
+    def layer_fn(layer, i, idx, h_BNH, k_cache, v_cache, extra):
+        _, k_ctx_BSGD, v_ctx_BSGD = layer.project_qkv(ctx_BSH, ctx_positions_BS, inv_freq)
+        q_BNHD, k_BNGD, v_BNGD = layer.qkv(h_BNH, positions_BN, inv_freq)
         o_BNHD = masked_attention(q_BNHD, jnp.concatenate([k_ctx_BSGD, k_BNGD], axis=1),
                                   jnp.concatenate([v_ctx_BSGD, v_BNGD], axis=1), mask_BNT)
-        h_BNH = attn_out_and_mlp(lc, p, h_BNH, o_BNHD)
-    return rms_norm(h_BNH, params["final_norm"], lc.rms_norm_eps)
+        return layer.attn_out_and_mlp(h_BNH, o_BNHD), k_cache, v_cache, extra
+
+    no_cache = KVCache(None, None, None)  # the K/V live in this pass only: nothing to carry between layers
+    h_BNH, _, _ = run_layers(backbone.layers, emb_BNH.astype(backbone.fc[...].dtype), no_cache, layer_fn)
+    return rms_norm(h_BNH, backbone.final_norm[...], lc.rms_norm_eps)
 
 
-def anchor_hidden(cfg: BlockConfig, params: dict, taps: Sequence[jax.Array], tokens_BS: jax.Array,
+def anchor_hidden(backbone: BlockBackbone, tables: Tables, taps: Sequence[jax.Array], tokens_BS: jax.Array,
                   anchors_BA: jax.Array) -> jax.Array:
     """[B, A, K, H]: every anchor's block [t_a, MASK x (K - 1)] run over the sequence's context, in one pass.
 
-    params: serving params (with `embed`); taps: the target's tap features [B, S, H] at every position.
+    tables: the serving tables (the target's embed); taps: the target's tap features [B, S, H] at every position.
     """
+    cfg = backbone.cfg
     b, s = tokens_BS.shape
     a, k = anchors_BA.shape[1], cfg.block_size
-    ctx_BSH = context_features(cfg, params, taps)
     ids_BAK = jnp.full((b, a, k), cfg.mask_token_id, jnp.int32)
     ids_BAK = ids_BAK.at[:, :, 0].set(jnp.take_along_axis(tokens_BS, anchors_BA, axis=1))
     positions_BN, mask_BNT = anchor_layout(anchors_BA, k, s)
-    h_BNH = block_forward(cfg, params, ctx_BSH, params["embed"][ids_BAK.reshape(b, a * k)], positions_BN, mask_BNT)
+    h_BNH = block_forward(backbone, backbone.context(taps), tables.embed[...][ids_BAK.reshape(b, a * k)],
+                          positions_BN, mask_BNT)
     return h_BNH.reshape(b, a, k, -1)
 
 
@@ -321,13 +306,11 @@ def gather_rows(x_BS: jax.Array, idx_BAK: jax.Array) -> jax.Array:
     return rows.reshape(b, a, k, *x_BS.shape[2:])
 
 
-def dspark_logits(cfg: dspark.DSparkConfig, params: dict, h_BAKH: jax.Array, prev_BAK: jax.Array) -> jax.Array:
-    """Teacher-forced DSpark logits [B, A, K, V] (fp32): lm_head(h_k) + W2 W1[x_{k-1}] (serving's functions)."""
+def dspark_logits(net: dspark.DSparkNetworks, h_BAKH: jax.Array, prev_BAK: jax.Array) -> jax.Array:
+    """Teacher-forced DSpark logits [B, A, K, V] (fp32): lm_head(h_k) + W2 W1[x_{k-1}] (serving's modules)."""
     b, a, k, h = h_BAKH.shape
-    u_BNV = vocab_logits(params, h_BAKH.reshape(b, a * k, h))
-    if cfg.markov_rank:
-        u_BNV = u_BNV + dspark.markov_bias(params, prev_BAK.reshape(-1)).reshape(u_BNV.shape)
-    return u_BNV.reshape(b, a, k, -1)
+    u_NV = net.tables.logits(h_BAKH.reshape(1, b * a * k, h))[0]
+    return net.markov(u_NV, prev_BAK.reshape(-1)).reshape(b, a, k, -1)
 
 
 def prev_tokens(tokens_BS: jax.Array, anchors_BA: jax.Array, block_size: int) -> jax.Array:
@@ -377,9 +360,10 @@ def dflash_loss(cfg: BlockConfig, target_cfg: ModelConfig, gamma: float | None =
         taps, target_BSV = jax.lax.stop_gradient(
             target_taps_and_logits(frozen["target"], target_cfg, tokens_BS, cfg.feature_layers))
         full = serving_params(cfg, params, frozen)
-        h_BAKH = anchor_hidden(cfg, full, taps, tokens_BS, anchors_BA)
+        vocab = dflash.tables(cfg, full)
+        h_BAKH = anchor_hidden(dflash.backbone(cfg, full), vocab, taps, tokens_BS, anchors_BA)
         b, a = anchors_BA.shape
-        logits_BAKV = vocab_logits(full, h_BAKH.reshape(b, a * k, -1)).reshape(b, a, k, -1)
+        logits_BAKV = vocab.logits(h_BAKH.reshape(b, a * k, -1)).reshape(b, a, k, -1)
         label_idx_BAK = anchors_BA[:, :, None] + jnp.arange(k)
         inside_BAK = label_idx_BAK < tokens_BS.shape[1]
         supervised_BAK = (batch["keep"][:, :, None] * inside_BAK * gather_rows(batch["loss_mask"], label_idx_BAK)
@@ -423,10 +407,10 @@ def dspark_loss(cfg: dspark.DSparkConfig, target_cfg: ModelConfig, decay: float 
         tokens_BS, anchors_BA = batch["tokens"], batch["anchors"]
         taps, target_BSV = jax.lax.stop_gradient(
             target_taps_and_logits(frozen["target"], target_cfg, tokens_BS, block.feature_layers))
-        full = serving_params(cfg, params, frozen)
-        h_BAKH = anchor_hidden(block, full, taps, tokens_BS, anchors_BA)
+        net = dspark.networks(cfg, serving_params(cfg, params, frozen))
+        h_BAKH = anchor_hidden(net.backbone, net.tables, taps, tokens_BS, anchors_BA)
         prev_BAK = prev_tokens(tokens_BS, anchors_BA, k)
-        logits_BAKV = dspark_logits(cfg, full, h_BAKH, prev_BAK)
+        logits_BAKV = dspark_logits(net, h_BAKH, prev_BAK)
         label_idx_BAK = anchors_BA[:, :, None] + 1 + jnp.arange(k)
         inside_BAK = label_idx_BAK < tokens_BS.shape[1]
         ok_BAK = batch["keep"][:, :, None] * inside_BAK * gather_rows(batch["loss_mask"], label_idx_BAK)
@@ -438,8 +422,8 @@ def dspark_loss(cfg: dspark.DSparkConfig, target_cfg: ModelConfig, decay: float 
         l1_BAK = jnp.sum(jnp.abs(jnp.exp(logq_BAKV) - jax.nn.softmax(target_BAKV, axis=-1)), axis=-1)
         accept_BAK = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1_BAK, 0.0, 1.0))
         b, a = anchors_BA.shape
-        conf_logit_BAK = dspark.confidence_logits(cfg, full, h_BAKH.reshape(b, a * k, -1),
-                                                  prev_BAK.reshape(b, a * k)).reshape(b, a, k)
+        conf_logit_BAK = net.confidence_logits(h_BAKH.reshape(b, a * k, -1), prev_BAK.reshape(b, a * k)
+                                               ).reshape(b, a, k)
         bce_BAK = optax.sigmoid_binary_cross_entropy(conf_logit_BAK, accept_BAK)
         weight_BAK = supervised_BAK * w_K
         den = jnp.maximum(jnp.sum(weight_BAK), 1e-6)

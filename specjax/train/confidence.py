@@ -28,8 +28,8 @@ from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.speculative import verify_pass
 from specjax.decoding.tree import ancestor_mask, chain, depths
 from specjax.drafters.confidence import DEFAULT_GRID, NUM_BINS, CalibrationReport, fit_report
-from specjax.models.cache import commit, init_cache
-from specjax.models.decoder import has_layer_list
+from specjax.models.cache import commit
+from specjax.models.decoder import merge
 
 # ---- collecting (confidence, accepted) from greedy speculative rounds -----------------------------------------
 
@@ -40,9 +40,10 @@ def _rounds(params, draft_params, prompt_BT, prompt_len_B, *, lc: LoopConfig, dr
 
     Returns the drafts' confidences [R, B, K] and the drafts accepted [R, B] in each round.
     """
+    model = merge(lc.model, params)
     b = prompt_BT.shape[0]
-    cache = init_cache(lc.model, b, lc.cache_len, per_layer=has_layer_list(params))
-    logits_BV, prompt_features, cache = prefill(params, lc, cache, prompt_BT, prompt_len_B,
+    cache = model.init_cache(b, lc.cache_len)
+    logits_BV, prompt_features, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B,
                                                 capture=drafter.feature_layers)
     root_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, prompt_features))
@@ -52,7 +53,7 @@ def _rounds(params, draft_params, prompt_BT, prompt_len_B, *, lc: LoopConfig, dr
         cache, root_B, dstate = carry
         draft, dstate = drafter.propose(draft_params, dstate, root_B, keys_B)
         mask_BNN = ancestor_mask(draft.parents)
-        verdict, features, cache = verify_pass(params, lc, draft, mask_BNN, depths(mask_BNN), cache,
+        verdict, features, cache = verify_pass(model, lc, draft, mask_BNN, depths(mask_BNN), cache,
                                                drafter.feature_layers, keys_B)  # lc.sampling is greedy
         cache = commit(cache, verdict.path, verdict.num_accepted)
         dstate = drafter.update(draft_params, dstate, draft, verdict, features)

@@ -28,8 +28,9 @@ token count (`mask_BS`; the original masks out the user's turns the same way). T
 divides each step's summed loss by B x S; here by the number of counted rows of that step,
 so the reported numbers are nats per token (a constant rescale for AdamW).
 
-The head's fused input, layer and logits are `drafters.eagle3.fuse_features`, `midlayer_qkv`,
-`midlayer_out` and `draft_logits`: the functions serving runs.
+The loss trains `drafters.eagle3.Eagle3Head`: merged from the trainable params and the frozen
+tables, it runs the methods serving runs (`fuse`, `qkv`, its layer's `attn_out_and_mlp`,
+`draft_logits`); only attention differs (the TTT attention here, the KV cache there).
 """
 
 from __future__ import annotations
@@ -41,19 +42,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from specjax.config import ModelConfig, RopeConfig
-from specjax.drafters.eagle3 import (
-    Eagle3Config,
-    concat_features,
-    draft_logits,
-    fuse_features,
-    midlayer_out,
-    midlayer_qkv,
-    param_shapes,
-)
+from specjax.drafters.eagle3 import Eagle3Config, Eagle3Head, concat_features, head_of
 from specjax.models.cache import init_cache
 from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.state import to_params
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
 
@@ -94,17 +89,9 @@ def draft_vocab_from_counts(counts_V: np.ndarray, draft_vocab_size: int) -> tupl
 
 
 def init_head(cfg: Eagle3Config, key: jax.Array, scale: float = 0.02) -> dict:
-    """Trainable head params (no `embed`, no `d2t`): normal(0, scale) matrices, unit norms."""
-
-    shapes = param_shapes(cfg)
-    flat = [("layer", k, s) for k, s in shapes["layer"].items()] + [
-        (None, k, s) for k, s in shapes.items() if k not in ("layer", "d2t")]
-    keys = jax.random.split(key, len(flat))
-    params: dict = {"layer": {}}
-    for (group, name, shape), k in zip(flat, keys):
-        value = jnp.ones(shape) if "norm" in name else scale * jax.random.normal(k, shape)
-        (params["layer"] if group else params)[name] = value.astype(cfg.dtype)
-    return params
+    """Trainable head params (an Eagle3Head's, without `embed` and `d2t`): normal(0, scale) matrices, unit norms."""
+    params = to_params(Eagle3Head(cfg, rngs=nnx.Rngs(params=key), scale=scale))
+    return {k: v for k, v in params.items() if k not in FROZEN_KEYS}
 
 
 def full_params(trainable: dict, frozen: dict) -> dict:
@@ -155,24 +142,24 @@ def ttt_attention(q_BTHD: jax.Array, k_steps: Sequence[jax.Array], v_steps: Sequ
     return out_BTKGD.reshape(b, t, h, d)
 
 
-def unroll(cfg: Eagle3Config, params: dict, features_BTF: jax.Array, next_ids_BT: jax.Array,
-           steps: int = TTT_STEPS) -> list[jax.Array]:
+def unroll(head: Eagle3Head, features_BTF: jax.Array, next_ids_BT: jax.Array, steps: int = TTT_STEPS
+           ) -> list[jax.Array]:
     """The head's draft-vocabulary logits [B, T, Vd] at every row for steps 0..steps-1.
 
-    params: full head params (with `embed`); next_ids_BT[p] = t_{p+1}, the token paired with
-    feature row p. Step j reads t_{p+1+j} (zeros past the end) at RoPE position p + j and the
+    head: the full head (`head_of(cfg, full_params(...))`); next_ids_BT[p] = t_{p+1}, the token paired
+    with feature row p. Step j reads t_{p+1+j} (zeros past the end) at RoPE position p + j and the
     head's own pre-norm output of step j - 1.
     """
     b, t = next_ids_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    h_BTD = fuse_features(params, features_BTF)
+    h_BTD = head.fuse(features_BTF)
     k_steps, v_steps, logits = [], [], []
     for j in range(steps):
-        q_BTHD, k_BTKD, v_BTKD = midlayer_qkv(cfg, params, shift_left(next_ids_BT, j), h_BTD, positions_BT + j)
+        q_BTHD, k_BTKD, v_BTKD = head.qkv(shift_left(next_ids_BT, j), h_BTD, positions_BT + j)
         k_steps.append(k_BTKD)
         v_steps.append(v_BTKD)
-        h_BTD = midlayer_out(cfg, params, h_BTD, ttt_attention(q_BTHD, k_steps, v_steps))
-        logits.append(draft_logits(cfg, params, h_BTD))
+        h_BTD = head.layer.attn_out_and_mlp(h_BTD, ttt_attention(q_BTHD, k_steps, v_steps))
+        logits.append(head.draft_logits(h_BTD))
     return logits
 
 
@@ -203,12 +190,11 @@ def eagle3_loss(cfg: Eagle3Config, target_cfg: ModelConfig, steps: int = TTT_STE
     def loss_fn(params: dict, batch: dict, frozen: dict):
         tokens_BS = batch["tokens"]
         mask_BS = batch["mask"].astype(jnp.float32)
-        head = full_params(params, frozen)
         features_BSF, target_BSV = target_features(frozen["target"], target_cfg, tokens_BS, cfg.feature_layers)
         features_BSF, target_BSV = jax.lax.stop_gradient(features_BSF), jax.lax.stop_gradient(target_BSV)
-        probs_BSVd, in_vocab_BS = draft_targets(target_BSV, head["d2t"])
+        probs_BSVd, in_vocab_BS = draft_targets(target_BSV, frozen["d2t"])
         counted_BS = mask_BS * in_vocab_BS
-        logits = unroll(cfg, head, features_BSF, shift_left(tokens_BS, 1), steps)
+        logits = unroll(head_of(cfg, full_params(params, frozen)), features_BSF, shift_left(tokens_BS, 1), steps)
         total, metrics = 0.0, {}
         for j, logits_BSVd in enumerate(logits):
             # row p at step j is scored against position p + 1 + j

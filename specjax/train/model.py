@@ -1,10 +1,9 @@
 """A cache-free forward of the dense decoder for training: whole sequences, causal attention.
 
-The serving `forward` writes every token's K/V into a fixed-shape cache and attends over
-the whole cache; for training that is wasted work and memory. This forward reuses the
-decoder's building blocks (`qkv`, `attn_out_and_mlp`, `rms_norm`, `rope_inv_freq`) and params,
-so a model trained here runs unchanged in `specjax.models.decoder.forward`
-(tests/test_train.py checks they agree).
+The serving `Decoder.forward` writes every token's K/V into a fixed-shape cache and attends
+over the whole cache; for training that is wasted work and memory. This forward runs the same
+Decoder module's layers (`DecoderLayer.qkv`, `attn_out_and_mlp`) over its params, so a model
+trained here runs unchanged in serving (tests/test_train.py checks they agree).
 """
 
 from __future__ import annotations
@@ -13,11 +12,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from specjax.config import ModelConfig
-from specjax.models._legacy import attn_out_and_mlp, qkv
-from specjax.models.decoder import lm_head, stacked_layers
+from specjax.models.decoder import lm_head, merge, with_layout
 from specjax.models.layers import rms_norm, rope_inv_freq
 
 NEG_INF = -1e30
@@ -37,31 +36,35 @@ def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) ->
     return out_BTKGD.reshape(b, t, h, d)
 
 
-def _layer(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
-    """One pre-norm decoder layer: the decoder's own qkv / attn_out_and_mlp around causal attention."""
-    q_BTHD, k_BTKD, v_BTKD = qkv(cfg, p, h_BTD, positions_BT, inv_freq)
-    return attn_out_and_mlp(cfg, p, h_BTD, causal_attention(q_BTHD, k_BTKD, v_BTKD))
-
-
 def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, capture: tuple[int, ...] = (),
                   remat: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final-normed hidden states [B, T, D] of whole sequences (positions 0..T-1), plus captures.
 
-    `capture` follows the decoder's numbering: i < num_layers is the residual stream entering
-    layer i, i = num_layers the last layer's output before the final norm (what EAGLE-3, MTP and
-    DFlash heads read). `remat` recomputes each layer in the backward pass to save memory.
+    The Decoder holding `params` (stacked layers) runs each layer's own `qkv` / `attn_out_and_mlp`
+    around causal attention under `lax.scan`. `capture` follows the decoder's numbering: i <
+    num_layers is the residual stream entering layer i, i = num_layers the last layer's output
+    before the final norm (what EAGLE-3, MTP and DFlash heads read). `remat` recomputes each layer
+    in the backward pass to save memory.
     """
+    model = merge(cfg, with_layout(params, per_layer=False))
+    graph, stacked = nnx.split(model.layers)
     b, t = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-    layer_fn = jax.checkpoint(_layer, static_argnums=(0,)) if remat else _layer
 
-    def body(h_BTD, p):
-        return layer_fn(cfg, p, h_BTD, positions_BT, inv_freq), h_BTD
+    def layer_fn(weights, h_BTD):
+        layer = nnx.merge(graph, weights)
+        q_BTHD, k_BTKD, v_BTKD = layer.qkv(h_BTD, positions_BT, inv_freq)
+        return layer.attn_out_and_mlp(h_BTD, causal_attention(q_BTHD, k_BTKD, v_BTKD))
 
-    h_BTD, inputs_LBTD = lax.scan(body, params["embed"][tokens_BT], stacked_layers(params))
+    layer_fn = jax.checkpoint(layer_fn) if remat else layer_fn
+
+    def body(h_BTD, weights):
+        return layer_fn(weights, h_BTD), h_BTD
+
+    h_BTD, inputs_LBTD = lax.scan(body, model.embed[...][tokens_BT], stacked)
     captured = tuple(h_BTD if i == cfg.num_layers else inputs_LBTD[i] for i in capture)
-    return rms_norm(h_BTD, params["final_norm"], cfg.rms_norm_eps), captured
+    return rms_norm(h_BTD, model.final_norm[...], cfg.rms_norm_eps), captured
 
 
 def train_logits(params: dict, cfg: ModelConfig, tokens_BT: jax.Array) -> jax.Array:

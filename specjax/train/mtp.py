@@ -15,7 +15,7 @@ The embedding and lm_head are the target's, frozen (for the embedded target they
 tied table); only the MTP layer (enorm, hnorm, eh_proj, shared_head.norm, block) trains.
 
 Optionally (`steps` > 1) the layer is also trained as serving reuses it in a chain: step j
-reads its own step j-1 output (fed back as the drafter does, `drafters.mtp.feedback`) and
+reads its own step j-1 output (fed back as the drafter does, `MtpLayer.feedback`) and
 t_{p+1+j} at position p + j, attends to the step-0 K/V of rows 0..p and its own steps 1..j at
 row p (as the drafter's cache holds its committed rows and then its own guesses), and is scored
 against z_{p+1+j}; loss = sum_j decay^j loss_j. Default: one step, as DeepSeek-V3 trains its MTP.
@@ -35,11 +35,12 @@ same chain-of-1 tau (1.76 vs 1.76), but the soft head is far closer to the targe
 higher chain-of-3 tau (2.61 vs 2.45). Training the reused step too (steps=2) raised chain-of-3
 tau to 2.71 with chain-of-1 unchanged, so scripts/train_mtp.py trains 2 steps.
 
-Training and serving share their functions: the fused input is `drafters.mtp.fuse`, the block
-is the decoder's `qkv` / `attn_out_and_mlp`, the logits `drafters.mtp.head_logits` and the
-fed-back hidden `drafters.mtp.feedback`; only attention differs (over whole sequences here, a
-KV cache there). tests/test_train_mtp.py checks that step 0's logits at every position equal
-the serving MtpDrafter's first draft logits after a teacher-forced prefill, at 1e-5.
+Training and serving run the same module, `drafters.mtp.MtpHead` merged from the trained layer
+and the frozen tables: the fused input is `MtpHead.fused`, the block its layer's `DecoderLayer`
+(`qkv` / `attn_out_and_mlp`), the logits `MtpHead.logits` and the fed-back hidden `feedback`;
+only attention differs (over whole sequences here, a KV cache there). tests/test_train_mtp.py
+checks that step 0's logits at every position equal the serving MtpDrafter's first draft logits
+after a teacher-forced prefill, at 1e-5.
 
 Only rows whose target distribution predicts a generated token count (batch `mask`, as in
 specjax.train.eagle3), so the head learns on the target's own output, where it drafts.
@@ -52,15 +53,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.convert.export import NP_DTYPES, write_hf_dir
 from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
 from specjax.drafters import mtp
-from specjax.models._legacy import attn_out_and_mlp, qkv
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, init_params, lm_head
+from specjax.models.decoder import forward, has_layer_list, lm_head
 from specjax.models.layers import rope_inv_freq
+from specjax.models.state import to_params
 from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
 from specjax.train.losses import LossFn
 
@@ -76,22 +78,16 @@ def head_config(target: ModelConfig) -> mtp.MtpConfig:
 
 
 def init_layer(target: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
-    """Trainable params of one MTP layer: {embed_norm, hidden_norm, fc [2H, H], final_norm, block {...}}.
+    """Trainable params of one MTP layer (an MtpLayer's): {embed_norm, hidden_norm, fc [2H, H], final_norm, block}.
 
-    Matrices normal(0, scale), norms ones (the block is initialised as `init_params` initialises a layer).
+    Matrices normal(0, scale), norms ones (the block is initialised as the decoder initialises a layer).
     """
-    k_fc, k_block = jax.random.split(key)
-    h, dtype = target.hidden_size, jnp.dtype(target.dtype)
-    block_cfg = head_config(target).block
-    block = {k: v[0] for k, v in init_params(block_cfg, k_block, scale)["layers"].items()}
-    ones = jnp.ones((h,), dtype)
-    return {"embed_norm": ones, "hidden_norm": ones, "final_norm": ones,
-            "fc": (scale * jax.random.normal(k_fc, (2 * h, h), jnp.float32)).astype(dtype), "block": block}
+    return to_params(mtp.MtpLayer(head_config(target), rngs=nnx.Rngs(params=key), scale=scale))
 
 
 def serving_params(layer: dict, frozen: dict) -> dict:
     """What `MtpDrafter` runs: the trained layer plus the target's embedding (and lm_head when untied)."""
-    params = {"layers": (layer,), "embed": frozen["embed"]}
+    params = {"layers": {0: layer}, "embed": frozen["embed"]}
     if "lm_head" in frozen:
         params["lm_head"] = frozen["lm_head"]
     return params
@@ -122,29 +118,29 @@ def target_hidden(target_params: dict, target_cfg: ModelConfig, tokens_BS: jax.A
     return h_BSD, lm_head(target_params, target_cfg, out_BSD)
 
 
-def unroll(cfg: mtp.MtpConfig, params: dict, h_BSD: jax.Array, next_ids_BS: jax.Array, steps: int = 1
-           ) -> list[jax.Array]:
+def unroll(head: mtp.MtpHead, h_BSD: jax.Array, next_ids_BS: jax.Array, steps: int = 1) -> list[jax.Array]:
     """The MTP layer's logits [B, S, V] (fp32) at every row for chain steps 0..steps-1.
 
-    params: serving params (see serving_params); h_BSD[p] = the target's pre-norm last hidden at p,
-    next_ids_BS[p] = t_{p+1}. Step j reads t_{p+1+j} (zeros past the end) at position p + j and the
-    fed-back output of step j - 1; step 0 is what the drafter computes for its committed rows.
+    head: the serving head (`mtp.head_of(cfg, serving_params(...))`); h_BSD[p] = the target's pre-norm
+    last hidden at p, next_ids_BS[p] = t_{p+1}. Step j reads t_{p+1+j} (zeros past the end) at position
+    p + j and the fed-back output of step j - 1; step 0 is what the drafter computes for its committed rows.
     """
+    cfg = head.cfg
     if cfg.num_layers != 1:
         raise ValueError(f"training covers one MTP layer (reused along the chain); got {cfg.num_layers}")
     b, s = next_ids_BS.shape
     positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    block_cfg, p = cfg.block, mtp.layer_params(params, 0)["block"]
-    inv_freq = rope_inv_freq(block_cfg.rope, block_cfg.head_dim)
+    layer = head.layers[0]
+    inv_freq = rope_inv_freq(cfg.block.rope, cfg.block.head_dim)
     k_steps, v_steps, logits = [], [], []
     for j in range(steps):
-        x_BSD = mtp.fuse(cfg, params, 0, shift_left(next_ids_BS, j), h_BSD, positions_BS + j)
-        q_BSHD, k_BSKD, v_BSKD = qkv(block_cfg, p, x_BSD, positions_BS + j, inv_freq)
+        x_BSD = head.fused(0, shift_left(next_ids_BS, j), h_BSD, positions_BS + j)
+        q_BSHD, k_BSKD, v_BSKD = layer.block.qkv(x_BSD, positions_BS + j, inv_freq)
         k_steps.append(k_BSKD)
         v_steps.append(v_BSKD)
-        out_BSD = attn_out_and_mlp(block_cfg, p, x_BSD, ttt_attention(q_BSHD, k_steps, v_steps))
-        logits.append(mtp.head_logits(cfg, params, 0, out_BSD))
-        h_BSD = mtp.feedback(cfg, params, 0, out_BSD)
+        out_BSD = layer.block.attn_out_and_mlp(x_BSD, ttt_attention(q_BSHD, k_steps, v_steps))
+        logits.append(head.logits(0, out_BSD))
+        h_BSD = layer.feedback(out_BSD)
     return logits
 
 
@@ -166,7 +162,7 @@ def mtp_loss(cfg: mtp.MtpConfig, steps: int = 1, decay: float = 0.8, objective: 
         mask_BS = batch["mask"].astype(jnp.float32)
         h_BSD, target_BSV = jax.lax.stop_gradient(target_hidden(frozen["target"], cfg.target, tokens_BS))
         target_logp_BSV = jax.nn.log_softmax(target_BSV, axis=-1)
-        logits = unroll(cfg, serving_params(params, frozen), h_BSD, shift_left(tokens_BS, 1), steps)
+        logits = unroll(mtp.head_of(cfg, serving_params(params, frozen)), h_BSD, shift_left(tokens_BS, 1), steps)
         total, metrics = 0.0, {}
         for j, logits_BSV in enumerate(logits):
             w_BS = shift_left(mask_BS, 1 + j)
