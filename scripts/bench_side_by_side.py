@@ -85,13 +85,14 @@ def main() -> None:
             for side in order:
                 for key, value in BENCHES[name](sides[side]).items():
                     runs[side].setdefault(key, []).append(value)
-                print(f"repeat {i + 1}/{args.repeats}: {name} done", flush=True)
+            print(f"repeat {i + 1}/{args.repeats}: {name} done", flush=True)
     print(f"\n{platform.machine()}, {os.cpu_count()} cores; medians of {args.repeats} interleaved runs, compile cache off")
-    print("| figure | before | after | after / before |")
-    print("|---|---|---|---|")
+    print("| figure | before | after | after / before | spread before | spread after |")
+    print("|---|---|---|---|---|---|")
     for key in runs["before"]:
         b, a = statistics.median(runs["before"][key]), statistics.median(runs["after"][key])
-        print(f"| {key} | {b:.3g} | {a:.3g} | {a / b:.3f} |")
+        spread = {side: f"{min(runs[side][key]):.3g}-{max(runs[side][key]):.3g}" for side in runs}
+        print(f"| {key} | {b:.3g} | {a:.3g} | {a / b:.3f} | {spread['before']} | {spread['after']} |")
     if args.out:
         args.out.write_text(json.dumps({"sides": {k: str(v) for k, v in sides.items()}, "runs": runs}, indent=1))
 
