@@ -7,7 +7,7 @@ For the embedded target (checkpoints/tiny/target) with three drafters — the em
 and the tree replay drafter (specjax/drafters/replay.py) at acceptance 0.6 and 0.9 — and batch sizes
 1, 4, 16, 64 (the manifest's held-out prompts, repeated to fill the batch; greedy; EOS off):
 `generate(..., tree="auto")` (planned first: calibration run, timing of plain and speculative rounds,
-pass costs measured here, see specjax/planner.py auto_shape), plain decoding, chains of 1..8, and
+pass costs measured here, see specjax/planning/planner.py auto_shape), plain decoding, chains of 1..8, and
 the DP's trees of 8, 16 and 32 nodes for the first batch's calibrated acceptance. Every
 run is checked equal to plain decoding; configurations are measured interleaved over --repeats rounds
 (more for small batches, until a batch's timed runs reach --min-time seconds; round i uses seed i); the

@@ -15,7 +15,7 @@ excluded and reported separately). Two sources of models:
 
 Agreement: in fp32 a speculative output that differs from plain greedy decoding raises
 (a bug); in bf16/fp16 a near-tie may flip between the verify pass and plain decoding, so
-the match rate and first divergence are reported (see specjax/agreement.py).
+the match rate and first divergence are reported (see specjax/bench/agreement.py).
 
 Part 2, replay sweep: the `replay` benchmarking drafter proposes the target's own
 continuation corrupted at a chosen rate, so acceptance is controlled; sweeping

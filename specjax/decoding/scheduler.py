@@ -128,7 +128,7 @@ def cost_table(verify_s: Callable[[int, float], float], batch: int, num_nodes: i
                overhead_s: float = 0.0) -> np.ndarray:
     """float32 [batch x num_nodes + 1]: seconds of one round with t tokens in the verify pass, t = 0..T_max.
 
-    verify_s(batch, nodes) is a cost model's (specjax/profile.py: Roofline, Profile); t tokens at this
+    verify_s(batch, nodes) is a cost model's (specjax/planning/profile.py: Roofline, Profile); t tokens at this
     batch are nodes = t / batch per row. overhead_s: the round's cost that does not follow admission
     (drafting the whole block, the loop's bookkeeping); without it a cheap narrow pass looks better than it
     is. Made non-decreasing in t (more tokens never cost less), entry 0 = entry 1 (never used).

@@ -6,7 +6,7 @@ verifier picks the accepted path and a bonus token; the row emits them (cut at E
 its token budget, exactly where plain decoding would stop), the cache keeps the path,
 and the drafter updates its state. Shapes never depend on acceptance.
 
-With a prefix scheduler (`Scheduler`, specjax/scheduler.py) each round first decides from
+With a prefix scheduler (`Scheduler`, specjax/decoding/scheduler.py) each round first decides from
 the drafter's confidences how many drafts of each row to verify, then runs the verify pass at
 the smallest compiled width that holds them (`lax.switch` over widths 1, 2, 4, ..., N, each
 branch its own fixed shape), so the target's compute follows what was admitted.

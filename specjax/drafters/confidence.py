@@ -2,7 +2,7 @@
 
 DSpark's confidence head gives c_k = P(draft k accepted | drafts < k accepted), so the chance
 that a whole prefix survives verification is the cumulative product a_k = c_1 ... c_k, which
-is what the prefix scheduler (specjax/scheduler.py) sums into an expected acceptance length.
+is what the prefix scheduler (specjax/decoding/scheduler.py) sums into an expected acceptance length.
 Raw heads are overconfident, so DSpark calibrates post hoc (paper, section 3.2.1): on a held-out
 run, for k = 1 .. gamma in order, a 1-D grid search picks the temperature T_k of
 

@@ -10,7 +10,7 @@ weights (random ones included) at a chosen acceptance rate. Drafting costs nothi
 carries the confidence a block drafter such as DSpark reports (Draft.confidence, root 1):
 the true P(accept | prefix accepted) = 1 - the row's corrupt_prob, plus optional Gaussian
 noise (`confidence_noise`, clipped to [0.01, 0.99]), and 0 past the reference. It lets the
-prefix scheduler (specjax/scheduler.py) be tested and benchmarked without a trained head.
+prefix scheduler (specjax/decoding/scheduler.py) be tested and benchmarked without a trained head.
 
 `TreeReplayDrafter` does the same for any static tree: under every node the true next token is
 the rank-r child with probability alpha (1 - alpha)^r, so greedy verification accepts exactly as

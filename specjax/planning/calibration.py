@@ -1,6 +1,6 @@
 """Acceptance from a calibration run: positional and per-depth acceptance estimated from `out.stats`.
 
-The planner's model (specjax/planner.py) says a rank-r child is accepted with probability
+The planner's model (specjax/planning/planner.py) says a rank-r child is accepted with probability
 p[r] given its parent was, whatever the depth. A calibration run with a known static shape
 gives, per depth, how often each rank was accepted (`verified_child_rank`); dividing by how
 often that rank was offered under an accepted parent estimates p, pooled over depths (the

@@ -12,9 +12,9 @@ included) is the sum of that product over all nodes, the root counting 1.
 limit d, the tree maximising tau; chains are the special case of one rank. `plan`
 then picks, per batch size, the shape (off, chain K, or a DP tree) that maximises
 expected tokens/s = tau / (draft time + verify time(batch x nodes)), using a cost model
-from specjax/profile.py, relative to plain decoding (1 / verify time(batch x 1)).
+from specjax/planning/profile.py, relative to plain decoding (1 / verify time(batch x 1)).
 Measured per-depth acceptance (from a calibration run's statistics) is estimated
-in specjax/calibration.py, with the model's predicted tau next to the measured one so the
+in specjax/planning/calibration.py, with the model's predicted tau next to the measured one so the
 independence assumption is checked rather than assumed.
 """
 
@@ -371,7 +371,7 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
     Candidates: off, chains of 1..max_chain drafts (tau from p[0] alone), and (tree_ok) the DP's
     best tree for every budget 2..max_nodes and depth 1..max_depth (only the best of these per batch
     is a candidate, so the runner-up is never the same tree one node smaller). verify_s(batch, nodes)
-    and draft_s(batch, depth) are the cost model (see specjax/profile.py; draft_s holds everything a round
+    and draft_s(batch, depth) are the cost model (see specjax/planning/profile.py; draft_s holds everything a round
     costs besides the verify pass), plain_s(batch) a measured plain step (default: verify_s(batch, 1)); with
     a `call`, speedups are of that whole generate call (its prefill, and its slowest row).
     """
