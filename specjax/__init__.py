@@ -1,11 +1,14 @@
 """specjax: speculative decoding for JAX/XLA."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from specjax import compile_cache
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.inspect import DraftInspection, inspect_draft
 from specjax.drafters import NgramDrafter, replay_drafter
 from specjax.generate import GenerateOutput, generate
 from specjax.loading.drafter import load_drafter
+from specjax.loading.embedded import embedded
 from specjax.loading.target import convert, load
 from specjax.models.target import Target
 
@@ -13,5 +16,10 @@ from specjax.models.target import Target
 # compiles, and importing specjax compiles nothing, so setting it here is early enough.
 compile_cache.setup()
 
-__all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "Target", "convert",
-           "generate", "inspect_draft", "load", "load_drafter", "replay_drafter"]
+try:
+    __version__ = version("specjax")
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "Target",
+           "__version__", "convert", "embedded", "generate", "inspect_draft", "load", "load_drafter", "replay_drafter"]

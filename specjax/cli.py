@@ -27,22 +27,53 @@ def _export(args) -> int:
 
 
 def _generate(args) -> int:
-    from specjax import generate, load
+    from specjax import NgramDrafter, generate, load
 
     target = load(args.model, attn_impl=args.attn_impl)
     drafter = None
-    if args.drafter:
+    if args.drafter == "ngram":
+        drafter = NgramDrafter()
+    elif args.drafter:
         from specjax.loading.drafter import load_drafter
 
         drafter = load_drafter(args.drafter, target)
-    prompts = args.prompt if target.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
-    out = generate(target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
-                   num_draft_tokens=args.num_draft_tokens, tree=args.tree)
+    out = generate(target, _cli_prompts(target, args.prompt), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
+                   num_draft_tokens=args.num_draft_tokens, tree=args.tree, eos_token_id=args.eos, max_len=args.max_len,
+                   scheduler=args.scheduler)
     for i, toks in enumerate(out.tokens):
         print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
-    print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1))
+    print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1, default=str))
     return 0
+
+
+def _cli_prompts(target, prompts: list[str]) -> list:
+    """Text prompts, or space-separated token ids for a checkpoint without a tokenizer."""
+    if target.tokenizer is not None:
+        return prompts
+    try:
+        return [[int(t) for t in p.split()] for p in prompts]
+    except ValueError:
+        raise ValueError(f"{target.path} has no tokenizer (no tokenizer.json), so --prompt must be space-separated "
+                         f"token ids like '7 30 12', got {prompts[0]!r}") from None
+
+
+def _draft_tokens(text: str) -> int | str:
+    """--num-draft-tokens: a chain length K, 'auto' or 'off'."""
+    if text in ("auto", "off"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a chain length K, 'auto' or 'off', got {text!r}") from None
+
+
+def _eos_ids(text: str) -> list[int]:
+    """--eos: comma-separated token ids (empty: never stop on EOS)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 2,32000, got {text!r}") from None
 
 
 def _demo(args) -> int:
@@ -80,16 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue prompts (text, or space-separated ids without a tokenizer)")
     p.add_argument("model")
-    p.add_argument("--prompt", action="append", required=True)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=None, help="a limit on prompt + output (sets the cache length)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drafter", default=None, help="a draft-model checkpoint dir")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length (default 4)")
+    p.add_argument("--eos", type=_eos_ids, default=None,
+                   help="EOS token ids, comma-separated, instead of the checkpoint's ('' never stops on EOS)")
+    p.add_argument("--drafter", default=None,
+                   help="a drafter directory of any family (draft model, EAGLE-3, MTP, DFlash, DSpark), or 'ngram'")
+    p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
+                   help="chain length K (default 4), 'auto' (the planner picks a chain or off) or 'off'")
     p.add_argument("--tree", default=None,
-                   help="draft tree instead of a chain, e.g. kary:3,2,1 or dynamic:top_k=8,depth=5,total_tokens=60")
+                   help="draft tree instead of a chain, e.g. kary:3,2,1 or dynamic:top_k=8,depth=5,total_tokens=60; "
+                        "'auto' (the planner picks a tree, a chain or off)")
+    p.add_argument("--scheduler", choices=["confidence", "prefix"], default=None,
+                   help="verify only the prefix of each chain that pays off (drafters with confidences, e.g. DSpark)")
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.set_defaults(fn=_generate)
 
@@ -126,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,13 @@ below both loops in request.py; this module only decides which loop runs.
 from __future__ import annotations
 
 from functools import partial
+from os import PathLike
 from typing import Sequence
 
+import numpy as np
+
 from specjax.config import SamplingConfig
+from specjax.decoding.drafter import check_drafter_argument
 from specjax.decoding.plain import plain_generate
 from specjax.decoding.request import GenerateOutput, bucket
 from specjax.decoding.speculative import speculative_generate
@@ -34,7 +38,7 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     num_draft_tokens / tree: the draft shape, one or the other (default: a chain of 4); only with a drafter.
       "auto": the planner picks it for this batch (num_draft_tokens="auto": a chain or off; tree="auto":
       a tree, a chain or off) from a short calibration run, cached per (target, drafter, batch bucket);
-      "off" runs the plain loop. The choice is in out.stats["plan"].
+      "off" (either) runs the plain loop. The choice is in out.stats["plan"].
     eos_token_id: overrides the checkpoint's EOS ids; [] disables stopping on EOS.
     max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
     scheduler: "confidence" verifies, each round, only as much of each row's chain as pays off given the
@@ -44,6 +48,7 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
       (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
       roofline). out.stats["scheduler"] says which was used.
     """
+    _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens)
     sampling = SamplingConfig(temperature, top_k, top_p).validate()
     if scheduler is None and scheduler_profile is not None:
         raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
@@ -57,6 +62,13 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
             raise ValueError(f"{given}= shapes a speculative draft but no drafter was given: pass drafter= "
                              f"(e.g. specjax.load_drafter(path, target)), or drop {given}=")
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
+    if "off" in (num_draft_tokens, tree):
+        other = tree if num_draft_tokens == "off" else num_draft_tokens
+        if other is not None and other != "off":
+            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} with tree={tree!r}: 'off' runs the plain loop; "
+                             f"leave the other one unset")
+        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len,
+                      {"plan": {"shape": "off", "kind": "off", "requested": True}})
     if "auto" in (num_draft_tokens, tree) and scheduler is not None:
         raise ValueError("scheduler= chooses the verified prefix of a fixed chain each round; with 'auto' the planner "
                          "picks the shape instead: give num_draft_tokens=K with scheduler=, or drop scheduler=")
@@ -70,6 +82,26 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
                                 seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len,
                                 scheduler=scheduler, scheduler_cost=partial(scheduler_cost, target, scheduler_profile))
+
+
+def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> None:
+    """Wrong types get an error that says what to pass, before anything is built."""
+    if not isinstance(target, Target):
+        hint = " (load the target first: target = specjax.load(path))" if isinstance(target, (str, PathLike)) else ""
+        raise TypeError(f"generate's first argument must be a specjax Target, got {type(target).__name__}{hint}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
+        if not _is_int(value) and not (name == "max_len" and value is None):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if drafter is not None:
+        check_drafter_argument(drafter)
+    if num_draft_tokens is not None and num_draft_tokens not in ("auto", "off") and not _is_int(num_draft_tokens):
+        raise TypeError(f"num_draft_tokens must be an int K (a chain of K), 'auto' or 'off'; got "
+                        f"{num_draft_tokens!r}")
+
+
+def _is_int(x) -> bool:
+    """True for Python and NumPy integers, not bools (True is not a token count)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,

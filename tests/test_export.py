@@ -54,6 +54,14 @@ def test_embedded_target_runs_in_transformers(tmp_path):
     assert config["torch_dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
     tokens = np.asarray([target.encode("def quicksort(xs):\n    return sorted(xs)")], np.int32)
     np.testing.assert_allclose(transformers_logits(dst, tokens), specjax_logits(target, tokens), atol=1e-4, rtol=1e-4)
+    # The source has no tokenizer_config.json / generation_config.json: the export writes both, so transformers'
+    # tokenizer knows bos/eos and its generate stops where specjax's does.
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(dst)
+    assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
+    assert tok.encode("def f(x):") == target.encode("def f(x):")  # the BOS from tokenizer.json included
+    assert transformers.GenerationConfig.from_pretrained(dst).eos_token_id == config["eos_token_id"]
 
 
 def test_converted_qwen3_round_trips_exactly(tmp_path):

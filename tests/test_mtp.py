@@ -195,7 +195,9 @@ def test_load_drafter_on_the_target_dir_gives_its_mtp_drafter(mtp_dirs, targets,
     base = specjax.load(base_dir)
     assert isinstance(specjax.load_drafter(mtp_dirs["qwen3_next"], base), MtpDrafter)
     assert isinstance(specjax.load_drafter(mtp_dirs["qwen3_next"], base, mtp=False), DraftModelDrafter)
-    assert isinstance(specjax.load_drafter(base_dir, base), DraftModelDrafter)
+    # The target's own directory without MTP layers is not a draft model: it would draft with the target itself.
+    with pytest.raises(ValueError, match="draft with the target itself"):
+        specjax.load_drafter(base_dir, base)
 
 
 @pytest.mark.parametrize("layout, k, eos", [("deepseek", 3, False), ("qwen3_next", 4, True), ("deepseek", 1, True)])

@@ -311,6 +311,7 @@ def test_generate_auto_equals_plain_greedy_and_reports_the_plan(tiny_pair):
         out = specjax.generate(target, prompts, max_new_tokens=20, drafter=drafter, **kwargs)
         assert out.tokens == plain.tokens
         assert out.stats["plan"]["kind"] in ("off", "chain", "tree")
+        assert out.stats["plan"]["plan_s"] > out.stats["compile_s"]  # the measuring's compiles are counted there
         if "num_draft_tokens" in kwargs:
             assert out.stats["plan"]["kind"] != "tree"
     again = specjax.generate(target, prompts, max_new_tokens=20, drafter=drafter, tree="auto")
@@ -319,13 +320,31 @@ def test_generate_auto_equals_plain_greedy_and_reports_the_plan(tiny_pair):
         specjax.generate(target, prompts, drafter=drafter, num_draft_tokens="auto", tree="kary:2,1")
 
 
+def test_plan_on_this_device_measures_as_auto_does(tiny_pair, capsys):
+    """`specjax plan` with no --device plans from "auto"'s own measurements (after the test above they are cached
+    for this pair at batch 2), and its pick is what generate(..., tree="auto") runs for the same call."""
+    import specjax
+    from specjax.cli import build_parser
+    from specjax.planning import advisor
+
+    target, drafter, prompts = tiny_pair
+    args = build_parser().parse_args(["plan", "--drafter", "d", "--concurrency", "2", "--tokens", "20"])
+    report = {}
+    assert advisor.plan_measured(args, target, drafter, [2], report) == 0
+    text = capsys.readouterr().out
+    assert "measuring on this device" in text and report["model"] == "measured"
+    ran = specjax.generate(target, prompts, max_new_tokens=20, drafter=drafter, tree="auto").stats["plan"]
+    assert f"| 2 | {ran['shape']} | {ran['predicted_speedup']:.2f}x |" in text
+    assert report["choices"][0]["shape"] == ran["shape"]
+
+
 def test_generate_auto_off_runs_the_plain_loop(tiny_pair, monkeypatch):
     import specjax
 
     target, drafter, prompts = tiny_pair
+    # The pair's measurements at this batch are cached by the tests above; a new token budget plans afresh.
     monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(
         batches[0], planner.Scored(planner.Shape("off", None, 1.0), 1.0, 1.0), None)])
-    monkeypatch.setattr(auto, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["drafter_calls"] == 0
     assert out.tokens == specjax.generate(target, prompts, max_new_tokens=12).tokens
@@ -433,7 +452,7 @@ def test_plan_check_script_tiny(tmp_path):
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
     out = tmp_path / "pc.json"
-    assert pc.main(["--drafters", "draft,replay:0.9", "--batches", "1,2", "--chains", "1,2", "--trees", "6",
+    assert pc.main(["--drafters", "draft,replay:0.9", "--batches", "1", "--chains", "1,2", "--trees", "6",
                     "--max-depth", "2", "--repeats", "1", "--min-time", "0", "--max-new-tokens", "16",
                     "--out", str(out)]) in (0, 1)
     for name, result in json.loads(out.read_text())["drafters"].items():
@@ -458,7 +477,6 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
     target, drafter, prompts = tiny_pair
     near_tie = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1 + auto.AUTO_MIN_GAIN / 2)
     monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], near_tie, None)])
-    monkeypatch.setattr(auto, "_AUTO_PLANS", None)
     out = specjax.generate(target, prompts, max_new_tokens=8, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["best_predicted"] == "chain:2"
     assert out.stats["drafter_calls"] == 0

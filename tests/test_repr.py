@@ -62,12 +62,13 @@ def test_embedded_target_repr_counts_params():
     assert "params=3.95M" in repr(specjax.load(EMBEDDED / "target"))
 
 
-def test_draft_model_repr(target, hf_dir):
-    drafter = specjax.load_drafter(hf_dir, target)
+def test_draft_model_repr(target, tmp_path):
+    draft_dir = save_hf_model(build_hf_model("llama", **{**SMALL, "num_hidden_layers": 1}), tmp_path / "draft")
+    drafter = specjax.load_drafter(draft_dir, target)
     assert isinstance(drafter, DraftModelDrafter)
     assert_one_short_line(repr(drafter), "DraftModelDrafter(", "family=llama",
                           f"params={format_count(drafter.cfg.num_params())}", "dtype=float32", "vocab=128",
-                          "layers=2", "attn_impl=xla")
+                          "layers=1", "attn_impl=xla")
 
 
 def test_ngram_repr():

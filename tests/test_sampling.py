@@ -221,3 +221,56 @@ def test_choose_token_draws_from_sampling_distribution(temperature, top_k, top_p
         counts = np.bincount(np.asarray(draws), minlength=logits_V.size)[kept]
         p_value = stats.chisquare(counts, want[kept] * n).pvalue
         assert p_value > 1e-3, f"chi-square p = {p_value}"
+
+
+@pytest.mark.parametrize("top_k", [0, 50, 300])
+def test_top_p_without_a_sort_equals_the_sort(top_k):
+    """The candidate path (the 256 largest logits) keeps exactly what the full stable sort keeps, and rows it cannot
+    decide (flat rows, top_p near 1) are handed to the sort; both happen here."""
+    from specjax.decoding import sampling
+
+    rng = np.random.default_rng(3)
+    scale = np.array([0.3, 1.0, 3.0, 6.0])[:, None].repeat(8, axis=0)  # flat to peaked rows
+    logits_RV = jnp.asarray(rng.standard_normal((32, 4096)) * scale, jnp.float32)
+    if top_k:
+        kth = jax.lax.top_k(logits_RV, top_k)[0][:, -1:]
+        logits_RV = jnp.where(logits_RV < kth, -jnp.inf, logits_RV)
+    fast_seen = slow_seen = False
+    for top_p in (0.3, 0.8, 0.95, 0.995):
+        keep, exact = sampling._top_p_among_candidates(logits_RV, top_p, min(4096, max(256, top_k + 1)))
+        want = sampling._top_p_by_sort(logits_RV, top_p)
+        exact = np.asarray(exact)
+        np.testing.assert_array_equal(np.asarray(keep)[exact], np.asarray(want)[exact], err_msg=f"top_p={top_p}")
+        fast_seen |= exact.any()
+        slow_seen |= (~exact).any()
+        got = np.exp(np.asarray(sampling_logprobs(logits_RV, SamplingConfig(1.0, top_k, top_p)))) > 0
+        np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"top_p={top_p} through sampling_logprobs")
+    assert fast_seen and (slow_seen or top_k)  # with top_k <= 255 every row fits among the candidates
+
+
+def test_sample_rows_never_draws_a_token_without_mass():
+    """Inversion sampling skips zero-probability tokens, even at u -> 1 and with mass only at the ends."""
+    from specjax.decoding.sampling import sample_rows
+
+    logp = jnp.log(jnp.asarray([[0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]))
+    keys = jax.random.split(jax.random.key(0), 3)
+    for i in range(200):
+        drawn = np.asarray(sample_rows(jax.vmap(lambda k: jax.random.fold_in(k, i))(keys), logp))
+        assert drawn[0] in (1, 3) and drawn[1] == 0 and drawn[2] == 4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_top_p_by_bisection_equals_the_sort(tied):
+    """The fallback for rows the candidates cannot decide: the same kept set as the warper's sort, for flat and
+    peaked rows, with and without ties at the cut."""
+    from specjax.decoding import sampling
+
+    rng = np.random.default_rng(4)
+    if tied:
+        logits = np.concatenate([_tied_logits(5, 16, 300), np.full((16, 3), -np.inf, np.float32)], axis=-1)
+    else:
+        logits = (rng.standard_normal((16, 3000)) * np.array([0.2, 1.0, 3.0, 8.0]).repeat(4)[:, None]).astype(np.float32)
+    for top_p in (0.1, 0.5, 0.9, 0.95, 0.999) + tuple(_inside_tie_top_p(r[np.isfinite(r)]) for r in logits[:3]):
+        got = np.asarray(sampling._top_p_by_bisection(jnp.asarray(logits), top_p))
+        want = np.asarray(sampling._top_p_by_sort(jnp.asarray(logits), top_p))
+        np.testing.assert_array_equal(got, want, err_msg=f"top_p={top_p}")

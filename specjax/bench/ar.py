@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
@@ -350,6 +351,9 @@ def config_from_args(args: argparse.Namespace) -> ArBenchConfig:
 def main(args: argparse.Namespace) -> int:
     """Run `ar` from parsed arguments: print the table, write JSON when --out is given."""
     bc = config_from_args(args)
+    if bc.compare_hf and bc.preset not in GPU_PRESETS and not (find_spec("torch") and find_spec("transformers")):
+        raise ValueError("the CPU presets compare against transformers, which needs torch and transformers "
+                         "(pip install torch==2.13.0 transformers); or pass --no-hf to time specjax alone")
     if args.dry_run:
         print(describe_plan(bc))
         return 0

@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 
 FORMAT = "specjax-orbax"
 MARKER = "specjax.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -35,7 +36,8 @@ def save(dst: Path, params, hf_config: dict, *, dtype: str, extra_files: dict[st
     """Write params and config to `dst` atomically; `extra_files` maps file name -> source path."""
     dst = Path(dst).absolute()
     if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists; choose a new destination or pass overwrite=True")
+        raise FileExistsError(f"{dst} already exists; choose a new destination or pass overwrite=True "
+                              "(specjax convert --overwrite)")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:

@@ -50,6 +50,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
 from specjax.convert import checkpoint
@@ -75,8 +76,9 @@ EAGLE3_RUN_FILE = "eagle3_head.json"  # in a training run dir: {"config": head c
 
 
 def write_hf_dir(dst: str | Path, config: dict, tensors: dict[str, np.ndarray], *,
-                 extra_files: dict[str, Path] | None = None, overwrite: bool = False) -> Path:
-    """config.json + model.safetensors (+ extra files) at dst, atomically (temp dir + rename)."""
+                 extra_files: dict[str, Path] | None = None, extra_json: dict[str, dict] | None = None,
+                 overwrite: bool = False) -> Path:
+    """config.json + model.safetensors (+ files copied, + JSON files written) at dst, atomically (temp dir + rename)."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     dst = Path(dst).absolute()
@@ -91,6 +93,8 @@ def write_hf_dir(dst: str | Path, config: dict, tensors: dict[str, np.ndarray], 
                   metadata={"format": "pt"})
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
+        for name, content in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
         _publishable(tmp)
         checkpoint._replace(tmp, dst)
     except BaseException:
@@ -169,6 +173,28 @@ def _tokenizer_files(directory: Path) -> dict[str, Path]:
     return {name: directory / name for name in checkpoint.TOKENIZER_FILES if (directory / name).is_file()}
 
 
+def side_configs(directory: Path, hf_config: dict) -> dict[str, dict]:
+    """generation_config.json and tokenizer_config.json for a model directory that lacks them (the source's own are
+    copied instead): without them transformers' AutoTokenizer loads bos/eos as None and generate stops nowhere.
+    Both are made from config.json's token ids; the token strings come from the source's tokenizer.json."""
+    out: dict[str, dict] = {}
+    ids = {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if not (directory / "generation_config.json").is_file():
+        out["generation_config.json"] = {**{k: v for k, v in ids.items() if v is not None}, "_from_model_config": True}
+    if (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+        def token(key: str) -> str | None:
+            value = ids[key][0] if isinstance(ids[key], list) and ids[key] else ids[key]
+            return None if value is None else tokenizer.id_to_token(int(value))
+
+        fields = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("bos_token_id"),
+                  "eos_token": token("eos_token_id"), "pad_token": token("pad_token_id"),
+                  "model_max_length": hf_config.get("max_position_embeddings"), "clean_up_tokenization_spaces": False}
+        out["tokenizer_config.json"] = {k: v for k, v in fields.items() if v is not None}
+    return out
+
+
 def export_model(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
     """A converted specjax checkpoint (target or draft model, with its MTP layers) -> a Hugging Face directory."""
     src = Path(src)
@@ -180,7 +206,7 @@ def export_model(src: str | Path, dst: str | Path, *, dtype: str | None = None, 
     if stored is not None:
         tensors.update(mtp_tensors(stored, params, cfg, dtype))
     return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(src),
-                        overwrite=overwrite)
+                        extra_json=side_configs(src, hf_config), overwrite=overwrite)
 
 
 def _read_target(target: Path, dtype: str | None) -> tuple[dict, dict, str]:
@@ -220,7 +246,7 @@ def export_mtp_only(src: str | Path, target: str | Path, dst: str | Path, *, dty
     tensors = model_tensors(params, cfg, dtype)
     tensors.update(mtp_tensors(stored, params, cfg, dtype))
     return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(target),
-                        overwrite=overwrite)
+                        extra_json=side_configs(target, hf_config), overwrite=overwrite)
 
 
 # ---- EAGLE-3 heads ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Hugging Face numbering, see models/decoder.py) at every draft node, [B, N, D] ea
 from __future__ import annotations
 
 import dataclasses
+from os import PathLike
 from typing import Any, Protocol
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from specjax.config import SamplingConfig
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec
 from specjax.decoding.verify import Draft, Verdict
+from specjax.models.target import Target
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +69,19 @@ class Drafter(Protocol):
         ...
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features: tuple[jax.Array, ...]) -> Any: ...
+
+
+def check_drafter_argument(drafter) -> None:
+    """A drafter= argument that is not a drafter (a path, a Target, anything else) gets an error saying what to pass."""
+    if isinstance(drafter, (str, PathLike)):
+        raise TypeError(f"drafter= takes a loaded drafter, got the path {str(drafter)!r}: pass "
+                        f"specjax.load_drafter(path, target)")
+    if isinstance(drafter, Target):
+        raise TypeError("drafter= takes a drafter, got a Target: pass specjax.load_drafter(path, target) (a draft "
+                        "model, an EAGLE-3/MTP/DFlash/DSpark head) or specjax.NgramDrafter()")
+    if not all(callable(getattr(drafter, a, None)) for a in ("configure", "init", "propose", "update")):
+        raise TypeError(f"drafter= must implement specjax's Drafter protocol (configure, init, propose, update), got "
+                        f"{type(drafter).__name__}: load one with specjax.load_drafter(path, target)")
 
 
 def require_chain(name: str, settings: Settings) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.config import SamplingConfig
 from specjax.decoding.decode import LoopConfig, prefill
-from specjax.decoding.drafter import Drafter, PrefillContext, Settings
+from specjax.decoding.drafter import Drafter, PrefillContext, Settings, check_drafter_argument
 from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.decoding.speculative import check_drafter_fits
@@ -56,6 +56,11 @@ def inspect_draft(target: Target, drafter: Drafter, prompt: str | Sequence[int],
     """The first round's draft for one prompt (greedy root and greedy drafting): see DraftInspection."""
     if num_draft_tokens is not None and tree is not None:
         raise ValueError("pass either num_draft_tokens (a chain) or tree, not both")
+    if not isinstance(prompt, str) and (not isinstance(prompt, Sequence) or any(not isinstance(t, (int, np.integer))
+                                                                                for t in prompt)):
+        raise TypeError(f"inspect_draft looks at one prompt, a string or a list of token ids; got "
+                        f"{repr(prompt)[:60]}: for a list of prompts call it once per prompt (e.g. prompts[0])")
+    check_drafter_argument(drafter)
     spec = parse_tree(tree, num_draft_tokens)
     check_drafter_fits(drafter, target)
     sampling = SamplingConfig()

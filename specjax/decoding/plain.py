@@ -15,9 +15,10 @@ from specjax.models.target import Target
 
 
 def plain_generate(target: Target, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingConfig, seed,
-                   eos_token_id, max_len: int | None, extra: dict[str, Any] | None = None) -> GenerateOutput:
-    """Plain autoregressive decoding of every prompt; `extra` is merged into out.stats."""
-    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed)
+                   eos_token_id, max_len: int | None, extra: dict[str, Any] | None = None,
+                   token_bucket: int = 0) -> GenerateOutput:
+    """Plain autoregressive decoding of every prompt; `extra` is merged into out.stats (token_bucket: see prepare)."""
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, token_bucket=token_bucket)
     (out_BO, count_B, steps), compile_s, run_s = run_compiled(
         target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()), {"lc": req.lc})
     return finish(target, req, out_BO, count_B, compile_s, run_s,

@@ -8,6 +8,7 @@ generate -> {decode, speculative} -> request.
 from __future__ import annotations
 
 import dataclasses
+import html
 import secrets
 import time
 from typing import Any, Sequence
@@ -32,6 +33,33 @@ class GenerateOutput:
     token_rounds: list[list[int]] | None = None  # speculative only: the round that emitted each token (0 = prefill)
     spec_stats: Any = None  # speculative only: the loop's SpecStats pytree (numpy), per row and per depth
 
+    def summary(self) -> dict[str, Any]:
+        """The few facts a notebook wants first: rows, tokens, acceptance length, speed, compile time, plan."""
+        s = self.stats
+        facts = {"rows": len(self.tokens), "tokens": s.get("generated_tokens"), "tau": s.get("acceptance_length"),
+                 "tokens_per_s": s.get("tokens_per_s"), "compile_s": s.get("compile_s")}
+        if isinstance(s.get("plan"), dict):
+            facts["plan"] = s["plan"].get("shape")
+        return {k: v for k, v in facts.items() if v is not None}
+
+    def __repr__(self) -> str:
+        def fmt(v):
+            return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+        return f"GenerateOutput({', '.join(f'{k}={fmt(v)}' for k, v in self.summary().items())})"
+
+    def _repr_html_(self) -> str:
+        """A notebook cell: the summary, then one line per row (its first 80 characters or token ids)."""
+        head = html.escape(repr(self))
+        rows = []
+        for i, toks in enumerate(self.tokens[:16]):
+            text = self.texts[i] if self.texts is not None else " ".join(map(str, toks))
+            cut = text[:80] + ("…" if len(text) > 80 else "")
+            rows.append(f"<tr><td>{i}</td><td>{len(toks)}</td><td><code>{html.escape(cut)}</code></td></tr>")
+        more = f"<tr><td colspan=3>… {len(self.tokens) - 16} more rows</td></tr>" if len(self.tokens) > 16 else ""
+        return (f"<div><code>{head}</code><table><tr><th>row</th><th>tokens</th><th>output</th></tr>"
+                f"{''.join(rows)}{more}</table></div>")
+
 
 def bucket(n: int, minimum: int = 16) -> int:
     """The next power of two >= max(n, minimum): a shape bucket, so nearby sizes share one compile."""
@@ -48,6 +76,10 @@ def prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
         raise ValueError("prompts must be a list of token-id lists or a list of strings")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
+    odd = [p for p in prompts if not isinstance(p, str) and (isinstance(p, bytes) or not isinstance(p, Sequence))]
+    if odd:
+        raise ValueError(f"prompts must be a list of prompts, each a string or a list of token ids; got an element of "
+                         f"type {type(odd[0]).__name__}: wrap one prompt of token ids as [ids]")
     ids = [target.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for i, row in enumerate(ids):
         if not row:
@@ -161,13 +193,17 @@ class Request:
 
 
 def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: SamplingConfig, eos_token_id,
-            max_len: int | None, seed, draft_nodes: int = 0) -> Request:
-    """Validate prompts, lengths and seeds (`draft_nodes` cache slots for one draft) and bucket the shapes."""
+            max_len: int | None, seed, draft_nodes: int = 0, token_bucket: int = 0) -> Request:
+    """Validate prompts, lengths and seeds (`draft_nodes` cache slots for one draft) and bucket the shapes.
+
+    token_bucket: shape the loop for this many new tokens when it is more than max_new_tokens (rows still stop at
+    max_new_tokens): a short run then shares a longer one's executable (calibration.run_times times both)."""
     ids = prompt_ids(target, prompts)
-    cache_len = cache_length(target, ids, max_new_tokens, max_len, draft_nodes)
+    shaped_for = max(max_new_tokens, token_bucket) if token_bucket else max_new_tokens
+    cache_len = cache_length(target, ids, shaped_for, max_len, draft_nodes)
     prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
     seeds_B, fold_B, used = row_seeds(seed, len(ids), prompt_BT.shape[0])
-    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(max_new_tokens), cache_len,
+    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(shaped_for), cache_len,
                     target.attn_impl)
     return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, lc)
 

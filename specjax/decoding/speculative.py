@@ -83,8 +83,8 @@ def admit(draft: Draft, active_B: jax.Array, left_B: jax.Array, seconds_T: jax.A
     confidences, activity and budgets, never this round's target outputs, so it keeps verification lossless.
     """
     if draft.confidence is None:
-        raise ValueError("the prefix scheduler needs a drafter that reports confidences (Draft.confidence, e.g. "
-                         "DSpark, or replay_drafter(..., confidence=True)); this drafter does not: drop scheduler=")
+        raise ValueError(f"scheduler={sched.mode!r} needs a drafter that reports confidences (Draft.confidence, e.g. "
+                         f"DSpark, or replay_drafter(..., confidence=True)); this drafter does not: drop scheduler=")
     n = draft.tokens.shape[1]
     j_K = jnp.arange(1, n)
     usable_BK = draft.valid[:, 1:] & (j_K[None, :] < left_B[:, None])
@@ -174,21 +174,22 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
 def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *, max_new_tokens: int,
                          sampling: SamplingConfig, seed, spec: TreeSpec | DynamicTreeSpec, eos_token_id,
                          max_len: int | None, scheduler: str | None = None,
-                         scheduler_cost: Callable | None = None) -> GenerateOutput:
+                         scheduler_cost: Callable | None = None, token_bucket: int = 0) -> GenerateOutput:
     """`specjax.generate` with a drafter: same arguments, same outputs, plus acceptance statistics.
 
     scheduler: see `generate`; None runs every draft node every round. scheduler_cost(batch, widths,
     context) gives the verify cost model it optimises (`generate` resolves scheduler_profile= into it,
-    specjax/planning/scheduler_cost.py); None there means the roofline of this device.
+    specjax/planning/scheduler_cost.py); None there means the roofline of this device. token_bucket: see prepare.
     """
     check_drafter_fits(drafter, target)
     if scheduler is not None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS} or None, got {scheduler!r}")
         if not isinstance(spec, TreeSpec) or not spec.is_chain:
-            raise ValueError("the prefix scheduler verifies prefixes of a chain: pass num_draft_tokens=K, not a tree")
+            raise ValueError(f"scheduler={scheduler!r} verifies prefixes of a chain: pass num_draft_tokens=K, "
+                             f"not a tree")
     req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed,
-                  draft_nodes=spec.cache_slots)
+                  draft_nodes=spec.cache_slots, token_bucket=token_bucket)
     configured = drafter.configure(Settings(spec, sampling, req.lc.cache_len, req.lc.out_len))
     key, args, static, sched_info = ("spec", req.lc, configured, req.prompt_BT.shape), (), {}, {}
     if scheduler is not None:

@@ -7,6 +7,7 @@ modules know their networks and the loop, never the checkpoint formats (convert/
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -88,9 +89,16 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
         return mtp_drafter(target, attn_impl=attn_impl, stored=read_mtp_only_dir(path, target.cfg))
     own = getattr(target, "mtp", None) is not None
-    if mtp or (mtp is None and own and _same_dir(path, getattr(target, "path", None))):
-        if own or _same_dir(path, getattr(target, "path", None)):
+    same_dir = _same_dir(path, getattr(target, "path", None))
+    if mtp or (mtp is None and own and same_dir):
+        if own or same_dir:
             return mtp_drafter(target, attn_impl=attn_impl)  # ValueError when the target has none
+    if same_dir:
+        raise ValueError(
+            f"{path} is the target's own directory and carries no MTP layers: loading it as a draft model would "
+            f"draft with the target itself (every draft accepted, each token paid twice). For MTP pass a directory of "
+            f"MTP layers trained for this target (the shipped one: checkpoints/tiny/mtp, or specjax.embedded('mtp')); "
+            f"for a draft model, a smaller model with the same tokenizer; or an EAGLE-3/DFlash/DSpark head")
     model = load(path, attn_impl=attn_impl or target.attn_impl)
     if mtp is not False and model.mtp is not None and _same_model(model, target):
         return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
@@ -105,6 +113,10 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
         if model.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft model {path} has a different tokenizer from the target (same size, different"
                              " token ids); a draft model must share the target's tokenizer")
+    if _same_model(model, target):
+        warnings.warn(f"the draft model {path} has the target's own architecture and size: drafting costs as much as "
+                      f"verifying, so speculation runs slower than plain decoding; a draft model should be several "
+                      f"times smaller than the target", UserWarning, stacklevel=2)
     return DraftModelDrafter(model.cfg, model.params, attn_impl=model.attn_impl)
 
 

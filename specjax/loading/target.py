@@ -88,6 +88,9 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist: pass a Hugging Face model directory")
+    if checkpoint.is_checkpoint(src):
+        raise ValueError(f"{src} is already a specjax checkpoint (it has {checkpoint.MARKER}): load it with "
+                         f"specjax.load; to change its dtype, load(path, dtype=...) or convert its Hugging Face source")
     _check_dtype(dtype)
     hf_config, cfg, host_params = load_hf(src, dtype=dtype)
     extra = {name: src / name for name in checkpoint.TOKENIZER_FILES if (src / name).is_file()}

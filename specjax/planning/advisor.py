@@ -3,7 +3,8 @@
 plan: for each concurrency (rows verified together), the best draft shape, its predicted tau
 and speedup over plain decoding, and the runner-up, from an acceptance model (the published
 model with --model-only, else a calibration run of the target and drafter) and a cost model
-(a device's roofline, or a measured profile JSON). profile: measure that JSON on this device.
+(measured on this machine as generate(..., tree="auto") measures, a device's roofline, or a profile JSON).
+profile: measure that JSON on this device.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Sequence
 
+from specjax.config import SamplingConfig
 from specjax.decoding.tree import chain, parse_tree
 from specjax.drafters import NgramDrafter
 from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import EMBEDDED_DIR
 from specjax.loading.prompts import bench_prompts
 from specjax.loading.target import load
+from specjax.planning.auto import auto_shape
 from specjax.planning.calibration import calibrate
 from specjax.planning.planner import (
     Call,
@@ -58,9 +62,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", type=float, default=None,
                    help="draft cost per level as a fraction of one target step (--model-only default 0.05)")
     p.add_argument("--target", default=None, help="target checkpoint (default with a drafter: embedded tiny)")
-    p.add_argument("--drafter", default=None, help="draft-model checkpoint dir, or 'ngram'")
+    p.add_argument("--drafter", default=None,
+                   help="a drafter directory of any family (draft model, EAGLE-3, MTP, DFlash, DSpark), or 'ngram'")
     p.add_argument("--concurrency", default="1,8,32,128", help="batch sizes to plan for")
-    p.add_argument("--device", default=None, help="h100 | h200 | cpu | a profile JSON (default: this machine)")
+    p.add_argument("--device", default=None,
+                   help="h100 | h200 | cpu (their rooflines) or a profile JSON; default: measure on this machine as "
+                        "generate(..., tree='auto') does (with --target/--drafter)")
+    p.add_argument("--roofline", action="store_true", help="plan this machine by its roofline instead of measuring")
     p.add_argument("--context", type=int, default=512, help="cached tokens per row for the KV term (roofline)")
     p.add_argument("--calibrate-tree", default=None,
                    help="shape of the calibration run (default kary:4,2,1,1, or chain:4 for chain-only drafters)")
@@ -79,6 +87,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_main(args: argparse.Namespace) -> int:
     batches = ints(args.concurrency, "--concurrency")
+    if args.plot and find_spec("matplotlib") is None:  # say so before minutes of calibration, not after
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]', or drop --plot")
     report: dict[str, Any] = {"concurrency": batches}
     if args.model_only:
         if args.target or args.drafter:
@@ -91,9 +101,11 @@ def plan_main(args: argparse.Namespace) -> int:
               f"(p = {', '.join(f'{x:.3g}' for x in p[:4])}, ...)")
     else:
         if not args.drafter:
-            raise ValueError("pass --drafter D (a draft-model checkpoint or 'ngram') to plan for a pair, "
+            raise ValueError("pass --drafter D (a drafter directory of any family, or 'ngram') to plan for a pair, "
                              "or --model-only for the published model")
         target, drafter = load_pair(args.target or str(DEFAULT_TARGET), args.drafter)
+        if args.device is None and not args.roofline:
+            return plan_measured(args, target, drafter, batches, report)
         tree_ok = drafter_takes_trees(drafter, target)
         spec = parse_tree(args.calibrate_tree or ("kary:4,2,1,1" if tree_ok else "chain:4"), None)
         prompts = calibration_prompts(target, args.calibrate_prompts)
@@ -104,6 +116,8 @@ def plan_main(args: argparse.Namespace) -> int:
               f"p by rank {', '.join(f'{x:.3f}' for x in p)}; tau measured {cal.measured_tau:.3f}, "
               f"predicted {cal.predicted_tau:.3f} (positional model), {cal.predicted_tau_by_depth:.3f} (per depth)")
         cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost)
+        if args.device is None:
+            print(f"planning by the roofline of this device ({local_device()}), not by measurement (--roofline)")
         max_nodes = args.max_nodes or 64
     print(f"cost: {cm.source}")
     call = None
@@ -125,6 +139,40 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int], report: dict[str, Any]) -> int:
+    """The plan for this device, measured as generate(..., tree="auto") measures it: per concurrency, a calibration
+    run on that many held-out prompts for acceptance, the loop's rounds timed next to plain decoding, pass costs
+    timed here; each concurrency planned for one call of --tokens tokens per row (default 128). What "auto" would
+    run is the pick; "best predicted" is the planner's best shape before auto's margin over plain decoding."""
+    tokens = args.tokens or 128
+    print(f"measuring on this device ({local_device()}) as generate(..., tree='auto') does: per concurrency a "
+          f"calibration run, loop timings and pass costs; scored as one call of {tokens} tokens per row on the "
+          f"held-out prompts (--device h100|h200|cpu|PROFILE.json plans by a model instead)")
+    rows = []
+    for batch in batches:
+        _, info = auto_shape(target, drafter, calibration_prompts(target, batch), trees=True, sampling=SamplingConfig(),
+                             seed=0, eos_token_id=None, max_new_tokens=tokens)
+        rows.append({"batch": batch, **{k: v for k, v in info.items() if k != "cached"}})
+    lines = ["| concurrency | pick (what 'auto' runs) | predicted speedup | best predicted (tau, speedup) | "
+             "runner-up (tau, speedup) | margin |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        other = "-" if r["runner_up"] is None else \
+            f"{r['runner_up']} ({r['runner_up_tau']:.2f}, {r['runner_up_speedup']:.2f}x)"
+        lines.append(f"| {r['batch']} | {r['shape']} | {r['predicted_speedup']:.2f}x | {r['best_predicted']} "
+                     f"({r['best_predicted_tau']:.2f}, {r['best_predicted_speedup']:.2f}x) | {other} | "
+                     f"{r['margin']:.1%} |")
+    print("\n".join(lines))
+    print(f"cost: {rows[-1]['cost']}")
+    report |= {"model": "measured", "tokens": tokens, "choices": rows}
+    if args.plot:
+        print("--plot draws a cost model's curves: pass --device (h100, h200, cpu or a profile JSON) with it")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")
     return 0
 

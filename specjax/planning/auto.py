@@ -8,8 +8,12 @@ The pure planning is specjax/planning/planner.py; this module runs the measureme
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 import weakref
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from specjax.decoding.request import bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
@@ -73,13 +77,17 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     cached = _AUTO_PLANS.setdefault(target, {})
     measured = cached.get(key)
     context = timing_context(ids, max_new_tokens)
+    start = time.perf_counter()
     if measured is None or measured.params is not drafter.params:
         run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
                "eos_token_id": eos_token_id}
-        measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run)
+        sibling = cached.get((drafter, batch, not trees, sampling))  # the same loops timed for the other kind
+        timed = None if sibling is None or sibling.params is not drafter.params else sibling
+        measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run,
+                                                   timed)
     if max_new_tokens in measured.plans:
         spec, info = measured.plans[max_new_tokens]
-        return spec, {**info, "cached": True}
+        return spec, {**info, "cached": True, "plan_s": time.perf_counter() - start}
     call = Call(max_new_tokens, lambda b: measured.prefill_s)
     choice = plan(measured.p_rank, [batch], measured.cost.verify_s, measured.cost.draft_s, max_nodes=64,
                   max_depth=12, tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s, call=call)[0]
@@ -94,27 +102,46 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     info = {"shape": chosen.label, "kind": chosen.kind, "batch_bucket": batch, "tokens": max_new_tokens,
             "predicted_tau": chosen.tau, "predicted_speedup": best.speedup if chosen.spec else 1.0,
             "best_predicted": best.shape.label, "best_predicted_speedup": best.speedup,
+            "best_predicted_tau": best.shape.tau,
             "runner_up": None if choice.runner_up is None else choice.runner_up.shape.label,
+            "runner_up_tau": None if choice.runner_up is None else choice.runner_up.shape.tau,
+            "runner_up_speedup": None if choice.runner_up is None else choice.runner_up.speedup,
             "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
             "margin": margin,
             "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
     measured.plans[max_new_tokens] = (chosen.spec, info)
-    return chosen.spec, info
+    # Measuring and planning (their loops' compiles included): the call's own compile_s is then ~0.
+    return chosen.spec, {**info, "plan_s": time.perf_counter() - start}
 
 
 def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_chain: int, context: int,
-                      run: dict[str, Any]) -> AutoMeasurements:
-    """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop."""
+                      run: dict[str, Any], timed: AutoMeasurements | None = None) -> AutoMeasurements:
+    """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop (taken from
+    `timed`, the same drafter's measurements at this batch for the other kind of shape, when there are some:
+    the timed loops are chains either way)."""
     spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
-    cal = calibrate(target, drafter, prompts, spec, min_tokens=CALIBRATION_MIN_TOKENS, **run)
-    # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
-    times = run_times(target, drafter, prompts, sorted({min(k, max_chain) for k in TIMED_CHAINS}), **run)
+    chains = sorted({min(k, max_chain) for k in TIMED_CHAINS})
+    # The first "auto" call for a batch bucket compiles and times a dozen loops (tens of seconds on a CPU): say so.
+    with tqdm(total=1 if timed else 3, desc=f"specjax auto (batch {batch}): calibrating acceptance", leave=False,
+              file=sys.stderr) as bar:
+        cal = calibrate(target, drafter, prompts, spec, min_tokens=CALIBRATION_MIN_TOKENS, **run)
+        bar.update()
+        if timed is None:
+            bar.set_description(f"specjax auto (batch {batch}): timing chains {','.join(map(str, chains))} and plain")
+            # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
+            times = run_times(target, drafter, prompts, chains, **run)
+            bar.update()
+            bar.set_description(f"specjax auto (batch {batch}): timing verify passes and drafting")
+            cost = cost_for_run(target, drafter, batch, context, times)
+            bar.update()
+        else:
+            times, cost = timed.times, timed.cost
     return AutoMeasurements(drafter.params, tuple(cal.p_rank),
                             {"calibration_shape": spec.num_nodes, "calibration_rounds": cal.rounds,
                              "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
-                            cost_for_run(target, drafter, batch, context, times), times.prefill_s, times)
+                            cost, times.prefill_s, times)
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,

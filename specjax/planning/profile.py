@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import SamplingConfig
+from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.request import bucket, round_cache_length
 from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
@@ -156,17 +156,45 @@ def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: flo
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)} or a profile JSON file, got {device!r}")
     roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len)
-    draft_cfg = getattr(drafter, "cfg", None)
     if draft_cost is not None:
         draft, what = relative_draft(roof.verify_s, draft_cost), f"{draft_cost:g} x target step per level"
-    elif draft_cfg is not None:
-        droof = Roofline.for_config(draft_cfg, DEVICES[device], cache_len)
-        draft, what = (lambda b, d: d * droof.verify_s(b, 1)), f"draft model {draft_cfg.num_params() / 1e6:.2f}M " \
-                                                             f"by roofline per level"
     else:
-        draft, what = (lambda b, d: 0.0), "drafting free (model-free drafter)"
+        draft, what = drafter_roofline(drafter, DEVICES[device], cache_len)
     return CostModel(roof.verify_s, draft, f"roofline {roof.device.name}, knee {roof.knee:.0f} tokens/pass, "
                                            f"cache {cache_len}; {what}")
+
+
+def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Callable[[int, int], float], str]:
+    """draft_s(batch, depth) by roofline for any drafter, and what it assumed.
+
+    A draft model: its config's roofline, one pass per level. A learned head (EAGLE-3, MTP, DFlash, DSpark): the
+    weights its params hold, read once per pass, embedding tables excepted when an lm_head projects the vocabulary
+    (a lookup reads a row per token); one
+    pass per level, or one pass over the whole block for block drafters (max_draft_tokens). Its own one-layer KV
+    cache is left out. A model-free drafter (n-gram, replay) drafts for free.
+    """
+    cfg = getattr(drafter, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        droof = Roofline.for_config(cfg, device, cache_len)
+        what = f"draft model {cfg.num_params() / 1e6:.2f}M by roofline per level"
+        return (lambda b, d: d * droof.verify_s(b, 1)), what
+    named = [(jax.tree_util.keystr(path), x) for path, x in
+             jax.tree_util.tree_leaves_with_path(getattr(drafter, "params", None) or {}) if hasattr(x, "nbytes")]
+    tied = not any("lm_head" in path for path, _ in named)  # then the embedding is the vocab projection too
+    leaves = [(path, x) for path, x in named if tied or "embed" not in path]
+    if not leaves:
+        return (lambda b, d: 0.0), "drafting free (model-free drafter)"
+    count = sum(int(x.size) for _, x in leaves)
+    width = max(x.dtype.itemsize for _, x in leaves)
+    droof = Roofline(dataclasses.replace(device, peak_flops=device.peak_for(str(leaves[0][1].dtype))), count,
+                     sum(int(x.nbytes) for _, x in leaves), 0.0, cache_len)
+    name = getattr(drafter, "name", type(drafter).__name__)
+    block = getattr(drafter, "max_draft_tokens", None)
+    if block is not None:
+        return ((lambda b, d: droof.verify_s(b, block)),
+                f"{name} head {count / 1e6:.2f}M ({width}-byte weights) by roofline, one pass per block of {block}")
+    return ((lambda b, d: d * droof.verify_s(b, 1)),
+            f"{name} head {count / 1e6:.2f}M ({width}-byte weights) by roofline per level")
 
 
 def profile_key_for(cfg, path: str | Path) -> str | None:
