@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer
 
+from specjax.bench.quality import distinct_ngram_ratio
 from specjax.convert import checkpoint
 from specjax.models.decoder import init_params
 from specjax.train import corpus, data, losses, tiny, trainer
@@ -278,7 +279,7 @@ def stage_export(args, splits, streams, tok, target_params, draft_params, log, w
         },
         "held_out_prompts": prompts,
         "target_greedy_continuations": [tok.decode(o) for o in outs],
-        "target_continuation_distinct_4gram_ratio": float(np.mean([tiny.distinct_ngram_ratio(o) for o in outs])),
+        "target_continuation_distinct_4gram_ratio": float(np.mean([distinct_ngram_ratio(o) for o in outs])),
     }
     log(f"distinct-4-gram ratio of the target's continuations: "
         f"{manifest['target_continuation_distinct_4gram_ratio']:.3f}")

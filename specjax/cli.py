@@ -80,8 +80,7 @@ def _demo(args) -> int:
     from specjax.demo import EMBEDDED, run_demo
 
     run_demo(args.target or EMBEDDED / "target", args.draft or EMBEDDED / "draft", max_new_tokens=args.max_new_tokens,
-             num_draft_tokens=args.num_draft_tokens,
-             dtype=DTYPES[args.dtype])
+             num_draft_tokens=args.num_draft_tokens, dtype=DTYPES[args.dtype], methods_like=args.methods)
     return 0
 
 
@@ -139,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="target dtype (default: the checkpoint's, fp32); in bf16/fp16 the match rate is reported")
+    p.add_argument("--methods", default=None, help="only the methods whose name contains this, e.g. EAGLE-3")
     p.set_defaults(fn=_demo)
 
     from specjax.planning.advisor import add_plan_arguments, add_profile_arguments, plan_main, profile_main

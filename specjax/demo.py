@@ -70,8 +70,10 @@ def trained_heads(root: Path, target: Target, num_draft_tokens: int) -> dict[str
 
 
 def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED / "draft", max_new_tokens: int = 48,
-             num_draft_tokens: int = 4, console: Console | None = None, dtype: str | None = None) -> list[dict]:
-    """Run the demo and return its table rows; dtype overrides the target's stored dtype (e.g. "bfloat16")."""
+             num_draft_tokens: int = 4, console: Console | None = None, dtype: str | None = None,
+             methods_like: str | None = None) -> list[dict]:
+    """Run the demo and return its table rows; dtype overrides the target's stored dtype (e.g. "bfloat16");
+    methods_like keeps only the methods whose name contains it (e.g. "EAGLE-3"), plain decoding always."""
     console = console or Console()
     if not (Path(target_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no embedded model at {target_dir}; run from a full clone of specjax")
@@ -83,6 +85,10 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
         f"n-gram, chain of {num_draft_tokens}": dict(drafter=NgramDrafter(), num_draft_tokens=num_draft_tokens),
     }
     methods |= trained_heads(Path(target_dir).parent, target, num_draft_tokens)
+    if methods_like is not None:
+        methods = {name: kw for name, kw in methods.items() if methods_like in name}
+        if not methods:
+            raise ValueError(f"no demo method's name contains {methods_like!r}")
     console.print(f"[bold]specjax demo[/bold]: target {target.cfg.num_params() / 1e6:.1f}M params, draft "
                   f"{draft.cfg.num_params() / 1e6:.2f}M params, {target.cfg.dtype}, greedy, {max_new_tokens} new "
                   "tokens per prompt")

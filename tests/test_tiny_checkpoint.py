@@ -86,7 +86,7 @@ def test_target_is_clearly_stronger_than_the_draft():
 
 def test_greedy_continuations_do_not_loop(target):
     """The target's greedy continuations of held-out prompts are not a repeated phrase: distinct 4-grams."""
-    from specjax.train.tiny import distinct_ngram_ratio
+    from specjax.bench.quality import distinct_ngram_ratio
 
     prompts = [p["text"] for p in MANIFEST["held_out_prompts"]]
     out = specjax.generate(target, prompts, max_new_tokens=MANIFEST["acceptance"]["max_new_tokens"], eos_token_id=[])

@@ -74,12 +74,6 @@ def greedy_tau(agree_T: np.ndarray, k: int) -> tuple[float, int]:
     return (kept / rounds if rounds else 0.0), rounds
 
 
-def distinct_ngram_ratio(tokens: list[int], n: int = 4) -> float:
-    """Distinct n-grams / all n-grams of one sequence: 1.0 never repeats, a loop drives it toward 0."""
-    grams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 1.0
-
-
 def head_acceptance(target, head_dir, prompts: list[str], chains: list[int], max_new_tokens: int,
                     log=print) -> dict[str, dict]:
     """Greedy tau of a written drafter head in the real speculative loop, per chain length, for its manifest entry.
