@@ -63,10 +63,7 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
                              f"(e.g. specjax.load_drafter(path, target)), or drop {given}=")
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
     if "off" in (num_draft_tokens, tree):
-        other = tree if num_draft_tokens == "off" else num_draft_tokens
-        if other is not None and other != "off":
-            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} with tree={tree!r}: 'off' runs the plain loop; "
-                             f"leave the other one unset")
+        _other_unset(num_draft_tokens, tree, "off", "'off' runs the plain loop")
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len,
                       {"plan": {"shape": "off", "kind": "off", "requested": True}})
     if "auto" in (num_draft_tokens, tree) and scheduler is not None:
@@ -99,6 +96,13 @@ def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> 
                         f"{num_draft_tokens!r}")
 
 
+def _other_unset(num_draft_tokens, tree, word: str, why: str) -> None:
+    """With `word` ("off" / "auto") in one of num_draft_tokens / tree, the other is unset or the same word."""
+    other = tree if num_draft_tokens == word else num_draft_tokens
+    if other is not None and other != word:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens!r} with tree={tree!r}: {why}")
+
+
 def _is_int(x) -> bool:
     """True for Python and NumPy integers, not bools (True is not a token count)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -107,10 +111,9 @@ def _is_int(x) -> bool:
 def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,
                    max_len) -> GenerateOutput:
     """num_draft_tokens="auto" / tree="auto": ask the planner for the shape, then run that loop."""
-    other = tree if num_draft_tokens == "auto" else num_draft_tokens
-    if other is not None and other != "auto":
-        raise ValueError(f"num_draft_tokens={num_draft_tokens!r} with tree={tree!r}: with 'auto' leave the other "
-                         f"one unset (num_draft_tokens='auto' plans chains, tree='auto' plans trees and chains)")
+    _other_unset(num_draft_tokens, tree, "auto",
+                 "with 'auto' leave the other one unset (num_draft_tokens='auto' plans chains, tree='auto' plans trees "
+                 "and chains)")
     spec, plan = auto_shape(target, drafter, prompts, trees=tree == "auto", sampling=sampling, seed=seed,
                             eos_token_id=eos_token_id, max_new_tokens=max_new_tokens)
     if spec is None:
