@@ -42,8 +42,9 @@ from specjax.bench.spec import random_model
 from specjax.decoding.request import round_cache_length
 from specjax.decoding.scheduler import verify_widths
 from specjax.models.cache import init_cache
-from specjax.models.decoder import has_layer_list, merge, unstack_layers
+from specjax.models.decoder import has_layer_list, unstack_layers
 from specjax.models.layers import cached_attention, causal_mask, rms_norm, rope_inv_freq
+from specjax.models.model import merge
 from specjax.planning.profile import DEVICES, CostModel, Profile, Roofline, device_kind, model_name, time_verify_round
 
 MODELS = {**PRESETS, "micro": MICRO_PRESET}

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from specjax.bench.quality import distinct_ngram_ratio
 from specjax.convert import checkpoint
-from specjax.models.decoder import init_params
+from specjax.models.model import init_params
 from specjax.train import corpus, data, losses, tiny, trainer
 from specjax.train.model import train_logits
 from specjax.train.runlog import RunLog

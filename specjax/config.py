@@ -3,6 +3,9 @@
 `ModelConfig.from_hf` reads a Hugging Face `config.json` dict, written by older
 transformers (`rope_theta`, `rope_scaling`) or newer ones (`rope_parameters`), and
 refuses any field this code does not implement instead of silently ignoring it.
+Qwen3.5 (a hybrid: Gated DeltaNet and gated full-attention layers) is read from both of
+its published layouts: `Qwen3_5ForCausalLM` (flat) and `Qwen3_5ForConditionalGeneration`
+(the text model's fields nested in `text_config`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ _ARCHITECTURES = {
     "MistralForCausalLM": dict(family="mistral", qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
+    # Qwen3.5: zero-centred norms, gated attention with partial rotary, Gated DeltaNet layers
+    # (transformers/models/qwen3_5/modeling_qwen3_5.py).
+    "Qwen3_5ForCausalLM": dict(family="qwen3_5", qkv_bias=False, qk_norm=True),
+    "Qwen3_5ForConditionalGeneration": dict(family="qwen3_5", qkv_bias=False, qk_norm=True),
 }
+LAYER_TYPES = ("full_attention", "linear_attention")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,8 +42,38 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttnConfig:
+    """A Gated DeltaNet layer's shape (Qwen3.5's `linear_*` fields): q/k heads, v heads, head dims, conv kernel."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: [q | k | v]."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of one dense decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral)."""
+    """Shape and numerics of one decoder: dense (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) or hybrid (Qwen3.5).
+
+    A hybrid has `layer_types` (one of LAYER_TYPES per layer) and `linear` (the Gated DeltaNet shape);
+    its full-attention layers gate their output (`attn_output_gate`) and rotate only the first
+    `rotary_dim` dims of each head, and every RMSNorm but the DeltaNet's output norm is zero-centred
+    (`norm_offset`: x * (1 + w)).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -55,19 +93,54 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     family: str = "llama"
     dtype: str = "float32"
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    linear: LinearAttnConfig | None = None
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    norm_offset: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (all of them unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers (the ones with a KV cache)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (the ones with a conv and a recurrent state)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
     def num_params(self) -> int:
-        d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (qd + 2 * kvd) + qd * d + 3 * d * f + 2 * d
-        per_layer += (qd + 2 * kvd) if self.qkv_bias else 0
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * d * f + 2 * d
+        attn = d * (qd * (2 if self.attn_output_gate else 1) + 2 * kvd) + qd * d
+        attn += (qd + 2 * kvd) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        total = len(self.attention_layers) * (attn + mlp)
+        if self.linear is not None:
+            lin = self.linear
+            mixer = d * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads) + lin.value_dim * d
+            mixer += lin.conv_dim * lin.conv_kernel + 2 * lin.num_value_heads + lin.value_head_dim
+            total += len(self.linear_layers) * (mixer + mlp)
         head = 0 if self.tie_word_embeddings else d * v
-        return v * d + l * per_layer + d + head
+        return v * d + total + d + head
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
         """Build from a Hugging Face config.json dict; raise ValueError on anything unsupported."""
+        hf = text_config(hf)
         archs = hf.get("architectures") or []
         if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
             raise ValueError(
@@ -105,7 +178,52 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             family=arch["family"],
             dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"),
+            **(_hybrid_fields(hf) if arch["family"] == "qwen3_5" else {}),
         )
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields: `text_config` of a multimodal layout (Qwen3.5's ConditionalGeneration),
+    with the top level's architectures and embedding tie; the dict itself otherwise."""
+    if "text_config" not in hf:
+        return hf
+    text = dict(hf["text_config"])
+    text["architectures"] = hf.get("architectures") or text.get("architectures")
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's hybrid fields (transformers' Qwen3_5TextConfig: `layer_types`, else a full-attention layer every
+    `full_attention_interval`, default 4; `partial_rotary_factor` defaults to 0.25).
+
+    `mrope_section` is not read: for text the temporal, height and width position streams are equal, so
+    Qwen3.5's multimodal RoPE is plain rotate-half RoPE on the first `rotary_dim` dims (its
+    `recomposition_frequencies` picks each frequency from one of three identical streams)."""
+    n = _require(hf, "num_hidden_layers")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if len(layer_types) != n or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(f"config.json 'layer_types' must list one of {LAYER_TYPES} for each of the {n} layers, "
+                         f"got {layer_types!r}")
+    state_dtype = hf.get("mamba_ssm_dtype", "float32")
+    if str(state_dtype) not in ("float32", "torch.float32"):
+        raise ValueError(f"config.json 'mamba_ssm_dtype' is {state_dtype!r}; specjax keeps the Gated DeltaNet state in "
+                         "float32 (as the published checkpoints do): set it to 'float32'")
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    linear = LinearAttnConfig(
+        num_key_heads=_require(hf, "linear_num_key_heads"), num_value_heads=_require(hf, "linear_num_value_heads"),
+        key_head_dim=_require(hf, "linear_key_head_dim"), value_head_dim=_require(hf, "linear_value_head_dim"),
+        conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ValueError(f"linear_num_value_heads={linear.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={linear.num_key_heads}")
+    return dict(layer_types=tuple(layer_types), linear=linear,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+                attn_output_gate=True, norm_offset=True)
 
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -126,6 +244,11 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
         raise ValueError(f"config.json 'hidden_act' is {act!r}; specjax implements only 'silu' (SwiGLU)")
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("config.json 'pretraining_tp' != 1 is not supported")
+    if family == "qwen3_5":  # its layer_types are read by _hybrid_fields
+        if hf.get("attention_bias"):
+            raise ValueError("config.json 'attention_bias' is true; Qwen3.5 in specjax has no attention biases "
+                             "(as the published checkpoints): set it false")
+        return
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"config.json 'layer_types' has {set(layer_types)}; only 'full_attention' is supported")

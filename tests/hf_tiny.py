@@ -52,3 +52,51 @@ def save_hf_model(model, path: Path, dtype=torch.float32, shard_size: str | None
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return path
+
+
+# Qwen3.5 (hybrid): three Gated DeltaNet layers and one gated full-attention layer, partial rotary, GQA on both.
+QWEN35_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   tie_word_embeddings=False,
+                   rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                        mrope_section=[2, 1, 1]))
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                     temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+def build_qwen35(layout: str = "causal_lm", seed: int = 0, **overrides):
+    """A tiny random Qwen3.5: layout "causal_lm" (Qwen3_5ForCausalLM, flat config) or "conditional"
+    (Qwen3_5ForConditionalGeneration: text config nested, weights under model.language_model, a vision tower).
+
+    Zero-centred norms get small offsets around 0 (the DeltaNet output norm around 1), decays moderate.
+    """
+    import transformers
+
+    text = {**QWEN35_TEXT, **overrides}
+    if layout == "causal_lm":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    else:
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=QWEN35_VISION,
+                                            tie_word_embeddings=text["tie_word_embeddings"])
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    torch.manual_seed(seed)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_attn.norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "A_log" in name or "dt_bias" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.5 * torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

@@ -26,7 +26,7 @@ print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "status": specjax
 GENERATE = """
 import json, jax, specjax
 from specjax.config import ModelConfig
-from specjax.models.decoder import init_params
+from specjax.models.model import init_params
 
 hits = []
 jax.monitoring.register_event_duration_secs_listener(

@@ -32,7 +32,7 @@ from specjax.decoding.verify import Verdict
 from specjax.drafters import DFlashDrafter
 from specjax.drafters.dflash import BlockConfig, backbone, drafter_params, init_params, tables
 from specjax.loading.drafter import dflash_drafter, load_drafter
-from specjax.models.decoder import init_params as init_target_params
+from specjax.models.model import init_params as init_target_params
 from specjax.models.target import Target
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash" / "basic"

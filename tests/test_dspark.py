@@ -32,7 +32,7 @@ from specjax.drafters import DSparkDrafter, confidence, dspark
 from specjax.drafters.dflash import BlockConfig
 from specjax.loading.drafter import drafter_family, dspark_drafter
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, init_params, lm_head
+from specjax.models.model import forward, init_params, lm_head
 from specjax.models.target import Target
 from specjax.train import confidence as confidence_fit
 

@@ -18,7 +18,8 @@ from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, kary, parse_tree, spec_arrays
 from specjax.drafters import DraftModelDrafter
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.decoder import has_layer_list
+from specjax.models.model import forward, lm_head
 
 # ---------------------------------------------------------------------------------------------------------------
 # The reference: the original's algorithm for one row, written out in numpy from cnets.py.

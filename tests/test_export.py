@@ -25,7 +25,8 @@ from specjax.convert import export as ex
 from specjax.convert.eagle3 import load_eagle3
 from specjax.drafters import MtpDrafter
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.decoder import has_layer_list
+from specjax.models.model import forward, lm_head
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "checkpoints" / "tiny"

@@ -25,7 +25,8 @@ from specjax.decoding.drafter import Settings
 from specjax.decoding.speculative import spec_generate
 from specjax.decoding.tree import chain, kary
 from specjax.drafters import DraftModelDrafter
-from specjax.models.decoder import has_layer_list, param_shapes
+from specjax.models.decoder import has_layer_list
+from specjax.models.model import param_shapes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -21,7 +21,7 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.sampling import sampling_logprobs
 from specjax.drafters import DraftModelDrafter
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, init_params, lm_head
+from specjax.models.model import forward, init_params, lm_head
 from specjax.models.target import Target
 
 VOCAB, PROMPT, NEW, ROWS = 6, [1, 2, 3], 3, 8192

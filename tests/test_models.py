@@ -15,7 +15,8 @@ from hf_tiny import FAMILIES, build_hf_model, save_hf_model
 
 import specjax
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import Decoder, forward, merge, with_layout
+from specjax.models.decoder import Decoder, with_layout
+from specjax.models.model import forward, merge
 
 # fp32 everywhere; observed max |diff| is ~1e-5 on logits of magnitude ~10.
 LOGIT_ATOL = 2e-4

@@ -12,7 +12,8 @@ from flax import nnx
 import specjax
 from specjax.config import ModelConfig
 from specjax.loading.embedded import EMBEDDED_DIR
-from specjax.models.decoder import Decoder, merge, param_shapes, with_layout
+from specjax.models.decoder import Decoder, with_layout
+from specjax.models.model import merge, param_shapes
 from specjax.models.state import to_params
 
 AXES = {"embed", "heads", "kv_heads", "mlp", "vocab", "layers", None}

@@ -196,7 +196,7 @@ def tiny_target(layers: int = 2):
 
     from specjax.bench.ar import PRESETS
     from specjax.config import ModelConfig
-    from specjax.models.decoder import init_params
+    from specjax.models.model import init_params
     from specjax.models.target import Target
 
     hf = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,

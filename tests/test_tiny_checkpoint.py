@@ -14,7 +14,7 @@ import pytest
 
 import specjax
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, lm_head
+from specjax.models.model import forward, lm_head
 
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"
 MANIFEST = json.loads((TINY / "manifest.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 
 from specjax.config import ModelConfig
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, init_params, lm_head
+from specjax.models.model import forward, init_params, lm_head
 from specjax.train import corpus, data, losses, tiny, trainer
 from specjax.train.model import train_forward
 from specjax.train.tokenizer import EOT, eot_id, train_tokenizer

@@ -26,7 +26,8 @@ from specjax.decoding.tree import chain
 from specjax.drafters import DFlashDrafter, DSparkDrafter, dspark
 from specjax.drafters import dflash as dfl
 from specjax.models.cache import KVCache
-from specjax.models.decoder import init_params, unstack_layers
+from specjax.models.decoder import unstack_layers
+from specjax.models.model import init_params
 from specjax.models.target import Target
 from specjax.train import block as tb
 from specjax.train import trainer

@@ -18,7 +18,8 @@ from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain
 from specjax.drafters.eagle3 import Eagle3Drafter, head_of, init_head_cache
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import forward, init_params, unstack_layers
+from specjax.models.decoder import unstack_layers
+from specjax.models.model import forward, init_params
 from specjax.train import eagle3 as ttt
 from specjax.train import trainer
 

@@ -21,7 +21,8 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain
 from specjax.drafters import MtpDrafter, mtp
-from specjax.models.decoder import init_params, unstack_layers
+from specjax.models.decoder import unstack_layers
+from specjax.models.model import init_params
 from specjax.models.target import Target
 from specjax.train import mtp as tm
 from specjax.train import trainer

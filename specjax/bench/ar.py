@@ -36,7 +36,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.convert.hf import hf_to_params
 from specjax.generate import generate
-from specjax.models.decoder import init_params
+from specjax.models.model import init_params
 from specjax.models.target import Target
 
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,

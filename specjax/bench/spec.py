@@ -46,7 +46,7 @@ from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import EMBEDDED_DIR
 from specjax.loading.prompts import bench_prompts
 from specjax.loading.target import load
-from specjax.models.decoder import init_params
+from specjax.models.model import init_params
 from specjax.models.target import Target
 
 DEFAULT_TARGET = EMBEDDED_DIR / "target"

@@ -20,6 +20,7 @@ the target itself runs without them. The only exceptions are:
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -28,7 +29,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
 from specjax.convert.mtp import read_mtp
-from specjax.models.decoder import param_shapes
+from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
+from specjax.models.model import param_shapes
 
 # Known-harmless tensors that no config field accounts for: RoPE inverse-frequency buffers
 # (non-persistent in current transformers, but older exports and some converters saved them).
@@ -41,6 +43,7 @@ _HARMLESS = (
 _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
+logger = logging.getLogger("specjax")
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: dict | None = None) -> dict:
@@ -50,6 +53,12 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: di
     Raises ValueError naming any other tensor the config does not account for (see the module docstring).
     """
     params, used = take_params(tensors, cfg)
+    if cfg.is_hybrid:  # a multimodal checkpoint's vision tower: specjax runs the text model only
+        vision = [n for n in tensors if n.startswith(VISION_PREFIX)]
+        if vision:
+            logger.warning("skipping the checkpoint's vision tower (%d tensors under %s): specjax runs text only",
+                        len(vision), VISION_PREFIX)
+            used |= set(vision)
     leftover = unaccounted_tensors(tensors, used, cfg)
     if leftover:
         groups = split_known_extras(leftover, cfg)
@@ -76,6 +85,8 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
         used.add(name)
         return t.astype(dtype)
 
+    if cfg.is_hybrid:
+        return take_hybrid_params(take, tensors, cfg), used
     layers = {}
     for key, shape in shapes["layers"].items():
         hf_name, transpose = LAYER_KEYS[key]
@@ -104,9 +115,10 @@ def is_harmless(name: str) -> bool:
 
 def _is_tied_copy(name: str, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> bool:
     """A stored lm_head equal to the embedding under tied embeddings: the same weights, saved twice."""
-    if name != "lm_head.weight" or not cfg.tie_word_embeddings or "model.embed_tokens.weight" not in tensors:
+    embed = f"{text_prefix(tensors)}embed_tokens.weight"
+    if name != "lm_head.weight" or not cfg.tie_word_embeddings or embed not in tensors:
         return False
-    return bool(np.array_equal(tensors[name], tensors["model.embed_tokens.weight"]))
+    return bool(np.array_equal(tensors[name], tensors[embed]))
 
 
 def split_known_extras(names: list[str], cfg: ModelConfig) -> dict[str, list[str]]:

@@ -17,7 +17,8 @@ from jax import lax
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.models.cache import KVCache
-from specjax.models.decoder import Decoder, merge
+from specjax.models.decoder import Decoder
+from specjax.models.model import merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +42,11 @@ def is_eos(tok_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 def prefill(model: Decoder, lc: LoopConfig, cache: KVCache, prompt_BT: jax.Array, prompt_len_B: jax.Array,
             capture: tuple[int, ...] = ()):
     """Run right-padded prompts into an empty cache; return last-position logits [B, V], captures, cache."""
-    h_BTD, captured, cache = model.forward(prompt_BT, cache, capture=capture, attn_impl=lc.attn_impl)
+    h_BTD, captured, cache = model.forward(prompt_BT, cache, capture=capture, attn_impl=lc.attn_impl,
+                                           num_valid_B=prompt_len_B)
     last_B1D = jnp.take_along_axis(h_BTD, (prompt_len_B - 1)[:, None, None], axis=1)
     logits_BV = model.logits(last_B1D)[:, 0]
-    return logits_BV, captured, KVCache(cache.k, cache.v, prompt_len_B)
+    return logits_BV, captured, cache.with_lengths(prompt_len_B)
 
 
 def first_token_state(tok_B: jax.Array, max_new_B: jax.Array, lc: LoopConfig):
@@ -81,7 +83,7 @@ def ar_generate(params: dict, prompt_BT: jax.Array, prompt_len_B: jax.Array, max
         keys_B, sub_B = split_rows(keys_B, 2)
         h_B1D, _, cache = model.forward(tok_B[:, None], cache, attn_impl=lc.attn_impl)
         # Finished rows keep computing (fixed shapes) but stop advancing.
-        cache = KVCache(cache.k, cache.v, cache.lengths + (~done_B).astype(jnp.int32))
+        cache = cache.with_lengths(cache.lengths + (~done_B).astype(jnp.int32))
         new_B = choose_token(sub_B, model.logits(h_B1D)[:, 0], lc.sampling)
         new_B = jnp.where(done_B, tok_B, new_B)
         out_BO = out_BO.at[jnp.arange(b), jnp.where(done_B, lc.out_len, count_B)].set(new_B, mode="drop")

@@ -22,7 +22,7 @@ from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.decoding.speculative import check_drafter_fits
 from specjax.decoding.tree import parse_tree
-from specjax.models.decoder import merge
+from specjax.models.model import merge
 from specjax.models.target import Target
 
 

@@ -32,8 +32,8 @@ from specjax.decoding.scheduler import cost_table, prefix_schedule, verify_width
 from specjax.decoding.stats import SpecStats, record_round, record_width, summarize
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
 from specjax.decoding.verify import Draft, Verdict, verify
-from specjax.models.cache import commit
-from specjax.models.decoder import Decoder, merge
+from specjax.models.decoder import Decoder
+from specjax.models.model import merge
 from specjax.models.target import Target
 
 SCHEDULERS = ("confidence", "prefix")
@@ -58,7 +58,7 @@ def verify_pass(model: Decoder, lc: LoopConfig, draft: Draft, mask_BNN: jax.Arra
     (Verdict, node features, cache)."""
     positions_BN = cache.lengths[:, None] + depth_BN
     h_BND, node_features, cache = model.forward(draft.tokens, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
-                                                capture=features, attn_impl=lc.attn_impl)
+                                                capture=features, attn_impl=lc.attn_impl, provisional=True)
     verdict = verify(draft, mask_BNN, model.logits(h_BND), lc.sampling, keys_B)
     return verdict, node_features, cache
 
@@ -71,7 +71,8 @@ def narrow_pass(width: int, model: Decoder, lc: LoopConfig, features: tuple[int,
     verdict, node_features, cache = verify_pass(model, lc, narrow, mask_BNN[:, :width, :width],
                                                 depth_BN[:, :width], cache, features, keys_B)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    return Verdict(pad(verdict.path), verdict.num_accepted, verdict.bonus), tuple(map(pad, node_features)), cache
+    return (Verdict(pad(verdict.path), verdict.num_accepted, verdict.bonus), tuple(map(pad, node_features)),
+            cache.padded_nodes(n))
 
 
 def admit(draft: Draft, active_B: jax.Array, left_B: jax.Array, seconds_T: jax.Array,
@@ -161,7 +162,7 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
         done_B = done_B | has_eos_B | (count_B >= max_new_B)
         stats = record_round(stats, draft, depth_BN, verdict, active_B, emit_B)
 
-        cache = commit(cache, verdict.path, verdict.num_accepted)
+        cache = cache.commit(verdict.path, verdict.num_accepted)
         root_B = jnp.where(active_B, verdict.bonus, root_B)
         dstate = drafter.update(draft_params, dstate, draft, verdict, node_features)
         return step + 1, cache, root_B, out_BO, round_BO, count_B, done_B, dstate, keys_B, stats

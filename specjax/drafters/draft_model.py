@@ -27,7 +27,8 @@ from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, commit
-from specjax.models.decoder import Decoder, merge
+from specjax.models.decoder import Decoder
+from specjax.models.model import merge
 from specjax.models.target import model_summary
 
 

@@ -6,6 +6,12 @@ out of a stacked buffer before reading it (see models/decoder.py). Row b's visib
 positions `0 .. lengths[b]-1`; anything past it is garbage that is never read.
 The model writes new tokens' K/V after the prefix; `commit` moves an accepted
 tree path to contiguous positions and advances `lengths`.
+
+`HybridCache` is a hybrid model's (Qwen3.5): a KVCache for its full-attention layers plus, for every
+Gated DeltaNet layer, the last K-1 conv inputs and the recurrent state. A provisional pass (verification)
+leaves those as they are and keeps per-node results in `nodes`; `commit` forms the accepted node's state
+and conv window from them. The loops call the methods both caches share (`lengths`, `with_lengths`,
+`commit`, `padded_nodes`), never their fields.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
+from specjax.models.gdn import conv_window, state_along_path
 
 
 @jax.tree_util.register_dataclass
@@ -24,6 +31,16 @@ class KVCache:
     k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, Hkv, D], or L x [B, S, Hkv, D]
     v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array  # int32 [B]
+
+    def with_lengths(self, lengths_B: jax.Array) -> "KVCache":
+        return KVCache(self.k, self.v, lengths_B)
+
+    def commit(self, path_BN: jax.Array, num_accepted_B: jax.Array) -> "KVCache":
+        return commit(self, path_BN, num_accepted_B)
+
+    def padded_nodes(self, n: int) -> "KVCache":
+        """The cache after a provisional pass of fewer than n nodes, shaped as one of n (nothing per node here)."""
+        return self
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, per_layer: bool = False) -> KVCache:
@@ -72,3 +89,63 @@ def commit(cache: KVCache, path_BN: jax.Array, num_accepted_B: jax.Array) -> KVC
         return buf.at[..., rows_BN, dst_BN, :, :].set(picked, mode="drop")
 
     return KVCache(jax.tree.map(move, cache.k), jax.tree.map(move, cache.v), cache.lengths + num_accepted_B)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NodeResults:
+    """One Gated DeltaNet layer's per-node results of a provisional pass: what commit needs for any node."""
+
+    x: jax.Array  # [B, T, C] conv inputs
+    k: jax.Array  # [B, Hv, T, K] normed keys (fp32)
+    v_new: jax.Array  # [B, Hv, T, V] corrected values (fp32)
+    cum: jax.Array  # [B, Hv, T] cumulative log decay along each node's path
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    kv: KVCache  # the full-attention layers', in their order
+    conv: tuple[jax.Array, ...]  # per DeltaNet layer [B, K-1, C]: the last K-1 conv inputs, oldest first
+    state: tuple[jax.Array, ...]  # per DeltaNet layer [B, Hv, K, V] fp32
+    nodes: tuple[NodeResults, ...] | None = None  # the last provisional pass's, until commit
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.kv.lengths
+
+    def with_lengths(self, lengths_B: jax.Array) -> "HybridCache":
+        return dataclasses.replace(self, kv=self.kv.with_lengths(lengths_B))
+
+    def padded_nodes(self, n: int) -> "HybridCache":
+        """Per-node results of a pass over fewer than n nodes padded to n (a scheduler's narrow width)."""
+        if self.nodes is None:
+            return self
+
+        def pad(x, axis):
+            return jnp.pad(x, [(0, 0)] * axis + [(0, n - x.shape[axis])] + [(0, 0)] * (x.ndim - axis - 1))
+
+        nodes = tuple(NodeResults(pad(r.x, 1), pad(r.k, 2), pad(r.v_new, 2), pad(r.cum, 2)) for r in self.nodes)
+        return dataclasses.replace(self, nodes=nodes)
+
+    def commit(self, path_BN: jax.Array, num_accepted_B: jax.Array) -> "HybridCache":
+        """Keep the accepted path: its K/V (as KVCache.commit), and for each DeltaNet layer the state after the
+        path's last node (S0 decayed + a rank-n update along the path) and the K-1 conv inputs ending at it.
+        Rows with nothing accepted keep their state."""
+        if self.nodes is None:
+            raise ValueError("commit needs a provisional pass first (forward(..., provisional=True))")
+        b, n = path_BN.shape
+        t = self.nodes[0].x.shape[1]
+        accepted_BN = jnp.arange(n)[None, :] < num_accepted_B[:, None]
+        last_B = jnp.take_along_axis(path_BN, jnp.maximum(num_accepted_B - 1, 0)[:, None], axis=1)[:, 0]
+        on_path_BT = jnp.zeros((b, t), jnp.bool_).at[jnp.arange(b)[:, None], jnp.where(accepted_BN, path_BN, t)].set(
+            True, mode="drop")
+        any_B = num_accepted_B > 0
+        conv, state = [], []
+        for conv_BKC, state_BHKV, r in zip(self.conv, self.state, self.nodes):
+            cum_end_BH = jnp.take_along_axis(r.cum, last_B[:, None, None], axis=2)[..., 0]
+            new_state = state_along_path(state_BHKV, r.k, r.v_new, r.cum, on_path_BT, cum_end_BH)
+            state.append(jnp.where(any_B[:, None, None, None], new_state, state_BHKV))
+            path_x_BNC = jnp.take_along_axis(r.x, path_BN[..., None], axis=1)
+            conv.append(conv_window(path_x_BNC, conv_BKC, num_accepted_B))
+        return HybridCache(self.kv.commit(path_BN, num_accepted_B), tuple(conv), tuple(state), None)

@@ -1,5 +1,9 @@
 """The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as Flax NNX modules.
 
+The same `DecoderLayer` is Qwen3.5's gated full-attention layer (config flags: output gate, partial
+rotary, zero-centred norms); the hybrid model that interleaves it with Gated DeltaNet layers is
+models/hybrid.py.
+
 `Decoder` declares its weights (`nnx.Param`, with logical axis names) and runs them; the loops use it
 functionally: `nnx.split` once outside (a Target keeps the graphdef and the params as a plain dict of
 arrays, whose tree matches the checkpoint's), `nnx.merge` inside the traced function, caches passed in
@@ -24,12 +28,34 @@ from jax import lax
 
 from specjax.config import ModelConfig
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.layers import apply_rope, cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
-from specjax.models.state import merged, shapes_of, to_params
+from specjax.models.layers import (
+    apply_rope,
+    cached_attention,
+    causal_mask,
+    normal,
+    param,
+    rms_norm,
+    rope_inv_freq,
+    swiglu,
+)
 
 
-class DecoderLayer(nnx.Module):
-    """One pre-norm layer: RoPE attention (optional q/k RMSNorm, q/k/v biases), then a SwiGLU MLP.
+class PreNormMLP:
+    """What every layer kind shares: this config's RMSNorm and the pre-norm SwiGLU MLP half
+    (weights mlp_norm, w_gate, w_up, w_down)."""
+
+    def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
+        """RMSNorm by this config's convention (zero-centred for Qwen3.5)."""
+        return rms_norm(x, weight[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
+    def mlp(self, h_BTD: jax.Array) -> jax.Array:
+        """The MLP half: residual + SwiGLU of the pre-normed stream."""
+        x_BTD = self.norm(h_BTD, self.mlp_norm)
+        return h_BTD + swiglu(x_BTD, self.w_gate[...], self.w_up[...], self.w_down[...])
+
+
+class DecoderLayer(PreNormMLP, nnx.Module):
+    """One pre-norm layer: RoPE attention (optional q/k RMSNorm, q/k/v biases, output gate), then a SwiGLU MLP.
 
     in_features: the attention input's width (hidden size; an EAGLE-3 head's 2H concat). Without
     input_norm the layer has no attn_norm: its caller builds the normed input (EAGLE-3, DFlash).
@@ -49,8 +75,9 @@ class DecoderLayer(nnx.Module):
         def weight(shape, *axes):
             return param(normal(rngs, lead + shape, dtype, scale), *lead_axis, *axes)
 
-        def ones(n, axis):
-            return param(jnp.ones(lead + (n,), dtype), *lead_axis, axis)
+        def ones(n, axis):  # a norm's identity: 1, or 0 for a zero-centred norm (x * (1 + w))
+            fill = jnp.zeros if cfg.norm_offset else jnp.ones
+            return param(fill(lead + (n,), dtype), *lead_axis, axis)
 
         def zeros(n, axis):
             return param(jnp.zeros(lead + (n,), dtype), *lead_axis, axis)
@@ -59,6 +86,8 @@ class DecoderLayer(nnx.Module):
         self.wq, self.wk, self.wv = weight((x, qd), "embed", "heads"), weight((x, kvd), "embed", "kv_heads"), \
             weight((x, kvd), "embed", "kv_heads")
         self.wo = weight((qd, d), "heads", "embed")
+        # Qwen3.5's gated attention: q_proj's per-head [query | gate] halves, the gate kept as its own matrix.
+        self.wg = weight((x, qd), "embed", "heads") if cfg.attn_output_gate else None
         self.bq, self.bk, self.bv = (zeros(qd, "heads"), zeros(kvd, "kv_heads"), zeros(kvd, "kv_heads")) \
             if cfg.qkv_bias else (None, None, None)
         self.q_norm, self.k_norm = (ones(hd, None), ones(hd, None)) if cfg.qk_norm else (None, None)
@@ -66,9 +95,16 @@ class DecoderLayer(nnx.Module):
         self.w_gate, self.w_up = weight((d, f), "embed", "mlp"), weight((d, f), "embed", "mlp")
         self.w_down = weight((f, d), "mlp", "embed")
 
+    def gate_output(self, o_BTHD: jax.Array, x_BTX: jax.Array) -> jax.Array:
+        """Attention output times sigmoid(x @ wg) (Qwen3.5's output gate, from the same normed input as q);
+        unchanged without a gate."""
+        if self.wg is None:
+            return o_BTHD
+        return o_BTHD * jax.nn.sigmoid(x_BTX @ self.wg[...]).reshape(o_BTHD.shape)
+
     def qkv(self, h_BTD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
         """The attention half of the layer up to attention itself: pre-norm, projections, q/k norms, RoPE."""
-        return self.project_qkv(rms_norm(h_BTD, self.attn_norm[...], self.cfg.rms_norm_eps), positions_BT, inv_freq)
+        return self.project_qkv(self.norm(h_BTD, self.attn_norm), positions_BT, inv_freq)
 
     def project_qkv(self, x_BTX: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array):
         """q/k/v from an input that is already normed (or fused): projections, biases, q/k norms, RoPE."""
@@ -81,25 +117,24 @@ class DecoderLayer(nnx.Module):
         k_BTKD = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q_BTHD = rms_norm(q_BTHD, self.q_norm[...], cfg.rms_norm_eps)
-            k_BTKD = rms_norm(k_BTKD, self.k_norm[...], cfg.rms_norm_eps)
+            q_BTHD, k_BTKD = self.norm(q_BTHD, self.q_norm), self.norm(k_BTKD, self.k_norm)
         return apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq), v_BTKD
 
     def attn_out_and_mlp(self, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
         """The rest of the layer after attention: output projection, residual, pre-norm SwiGLU MLP, residual."""
         b, t, _ = h_BTD.shape
         h_BTD = h_BTD + o_BTHD.reshape(b, t, -1) @ self.wo[...]
-        x_BTD = rms_norm(h_BTD, self.mlp_norm[...], self.cfg.rms_norm_eps)
-        return h_BTD + (jax.nn.silu(x_BTD @ self.w_gate[...]) * (x_BTD @ self.w_up[...])) @ self.w_down[...]
+        return self.mlp(h_BTD)
 
     def __call__(self, h_BTD, k_cache, v_cache, layer, lengths_B, positions_BT, mask_BTR, inv_freq, attn_impl: str,
                  slot=0):
         """The layer over T new tokens written at window slot `slot` (see `cached_attention`); k/v_cache are the
         stacked cache (with `layer`) or this layer's own buffers (layer None)."""
-        q_BTHD, k_BTKD, v_BTKD = self.qkv(h_BTD, positions_BT, inv_freq)
+        x_BTD = self.norm(h_BTD, self.attn_norm)
+        q_BTHD, k_BTKD, v_BTKD = self.project_qkv(x_BTD, positions_BT, inv_freq)
         o_BTHD, k_cache, v_cache = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_cache, v_cache, layer, lengths_B,
                                                     mask_BTR, attn_impl, slot)
-        return self.attn_out_and_mlp(h_BTD, o_BTHD), k_cache, v_cache
+        return self.attn_out_and_mlp(h_BTD, self.gate_output(o_BTHD, x_BTD)), k_cache, v_cache
 
 
 def run_layers(layers, h_BTD: jax.Array, cache: KVCache, layer_fn, extra=None):
@@ -164,7 +199,8 @@ class Decoder(nnx.Module):
 
     def forward(self, tokens_BT: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
                 mask_BTT: jax.Array | None = None, capture: tuple[int, ...] = (), attn_impl: str = "auto",
-                slot=0) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+                slot=0, provisional: bool = False, num_valid_B: jax.Array | None = None
+                ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
         """Run T new tokens per row after each row's cached prefix.
 
         Writes their K/V at `cache.lengths[b] + t` but leaves `lengths` unchanged: the
@@ -175,6 +211,8 @@ class Decoder(nnx.Module):
         R expanded slots after the prefix, mask_BTT [B, T, R] marking what each may see (its
         ancestors and itself); attention then runs over the whole window, the one attention function
         (the Pallas kernel on GPU) unchanged.
+        provisional (the new tokens are a draft to verify) and num_valid_B (right-padded tokens past it are
+        padding) matter only to recurrent layers (models/hybrid.py); attention needs just the mask.
         Returns the final-normed hidden states [B, T, D], the captured hidden states
         (one [B, T, D] per entry of `capture`) and the updated cache.
         """
@@ -185,7 +223,7 @@ class Decoder(nnx.Module):
             positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if mask_BTT is None:
             mask_BTT = jnp.broadcast_to(causal_mask(t), (b, t, t))
-        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)
         h_BTD = self.embed[...][tokens_BT]
         # One buffer slot per distinct captured layer, written by index as the layers run (in place in
         # the carry); a layer that is not captured maps to slot U, which mode="drop" discards.
@@ -210,7 +248,7 @@ class Decoder(nnx.Module):
 
         h_BTD, (k, v), captured_UBTD = run_layers(self.layers, h_BTD, cache, layer_fn, captured_UBTD)
         captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
-        out_BTD = rms_norm(h_BTD, self.final_norm[...], cfg.rms_norm_eps)
+        out_BTD = rms_norm(h_BTD, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
@@ -263,37 +301,3 @@ def stacked_layers(params: dict) -> dict:
 def with_layout(params: dict, per_layer: bool) -> dict:
     """Params in the per-layer or the stacked layout."""
     return unstack_layers(params) if per_layer else {**params, "layers": stacked_layers(params)}
-
-
-def merge(cfg: ModelConfig, params: dict) -> Decoder:
-    """The Decoder holding `params` (the same arrays: nothing is copied), in the layout they are in.
-
-    Inside a traced function this is the `nnx.merge` of the split the loops did outside.
-    """
-    per_layer = has_layer_list(params)
-    if per_layer and isinstance(params["layers"], (list, tuple)):
-        params = unstack_layers(params)
-    return merged(Decoder, cfg, params, per_layer=per_layer)
-
-
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The expected shape of every parameter (stacked layout): the contract conversion checks against."""
-    return shapes_of(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, per_layer: bool = False) -> dict:
-    """Random params (normal(0, scale) matrices, unit norms, zero biases): for tests, benchmarks, training."""
-    return to_params(Decoder(cfg, rngs=nnx.Rngs(params=key), per_layer=per_layer, scale=scale))
-
-
-# The loops' entry points, over params dicts (merged into the Decoder inside the trace).
-
-
-def forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, cache: KVCache, **kwargs):
-    """`Decoder.forward` of the model holding `params`: see there."""
-    return merge(cfg, params).forward(tokens_BT, cache, **kwargs)
-
-
-def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
-    """`Decoder.logits` of the model holding `params`."""
-    return merge(cfg, params).logits(h_BTD)

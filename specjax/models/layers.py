@@ -34,11 +34,22 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float) -> jax.A
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in fp32, cast back before the scale (as Hugging Face does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """RMSNorm in fp32, cast back before the scale (as Hugging Face's Llama does).
+
+    offset: Qwen3.5's zero-centred form, x * (1 + w) with the scale applied in fp32 before the cast
+    (transformers' Qwen3_5RMSNorm: "(x * w).to(float16)", not "x.to(float16) * w").
+    """
     x32 = x.astype(jnp.float32)
     normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
+
+
+def swiglu(x_BTD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The SwiGLU MLP every layer ends with: down(silu(x gate) * (x up))."""
+    return (jax.nn.silu(x_BTD @ w_gate) * (x_BTD @ w_up)) @ w_down
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
@@ -60,7 +71,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
 
 
 def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout, not interleaved pairs)."""
+    """Rotate-half RoPE (the Hugging Face layout, not interleaved pairs) on the first 2 x len(inv_freq) dims of
+    each head; the rest pass through (partial rotary, Qwen3.5)."""
+    rot = 2 * inv_freq.shape[0]
+    if rot < x_BTHD.shape[-1]:
+        return jnp.concatenate([apply_rope(x_BTHD[..., :rot], positions_BT, inv_freq), x_BTHD[..., rot:]], axis=-1)
     angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
     angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles_BTD).astype(x_BTHD.dtype), jnp.sin(angles_BTD).astype(x_BTHD.dtype)

@@ -10,7 +10,8 @@ import jax
 from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
-from specjax.models.decoder import Decoder, merge, with_layout
+from specjax.models.decoder import Decoder, with_layout
+from specjax.models.model import merge
 
 
 @dataclasses.dataclass(eq=False)
@@ -26,7 +27,7 @@ class Target:
     mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
 
     def __post_init__(self):
-        self.params = serving_layout(self.params, self.layout)
+        self.params = serving_layout(self.params, self.layout, hybrid=self.cfg.is_hybrid)
 
     @property
     def model(self) -> Decoder:
@@ -71,7 +72,7 @@ def format_count(n: int) -> str:
 LAYOUTS = ("auto", "stacked", "per_layer")
 
 
-def serving_layout(params: dict, layout: str = "auto") -> dict:
+def serving_layout(params: dict, layout: str = "auto", hybrid: bool = False) -> dict:
     """The layer layout the loops run: per-layer arrays and KV buffers, or stacked layers under `lax.scan`.
 
     "auto": per-layer on CPU (XLA CPU copies a layer out of a stacked array: 3x the memory
@@ -80,6 +81,10 @@ def serving_layout(params: dict, layout: str = "auto") -> dict:
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if hybrid:  # two kinds of layer: no single stacked layer to scan
+        if layout == "stacked":
+            raise ValueError("a hybrid target (Qwen3.5) runs per-layer weights: pass layout='auto' or 'per_layer'")
+        layout = "per_layer"
     if layout == "auto":
         layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"
     return with_layout(params, per_layer=layout == "per_layer")

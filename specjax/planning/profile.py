@@ -37,8 +37,7 @@ from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.request import bucket, round_cache_length
 from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
-from specjax.models.cache import KVCache, commit, init_cache
-from specjax.models.decoder import has_layer_list, merge
+from specjax.models.model import merge
 from specjax.models.target import format_count
 
 
@@ -442,22 +441,22 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
 
     def round_fn(i, carry):
         params, cache, tokens_BN, lengths_B = carry
-        cache = KVCache(cache.k, cache.v, lengths_B)  # every round verifies at the same cache length
+        cache = cache.with_lengths(lengths_B)  # every round verifies at the same cache length
         draft = Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_))
         mask_BNN = ancestor_mask(draft.parents)
         positions_BN = lengths_B[:, None] + depths(mask_BNN)
         model = merge(cfg, params)
         h_BND, _, cache = model.forward(tokens_BN, cache, positions_BT=positions_BN, mask_BTT=mask_BNN,
-                                        attn_impl=target.attn_impl)
+                                        attn_impl=target.attn_impl, provisional=True)
         keys_B = jax.random.split(jax.random.fold_in(jax.random.key(0), i), batch)
         verdict = verify(draft, mask_BNN, model.logits(h_BND), sampling, keys_B)
-        return params, commit(cache, verdict.path, verdict.num_accepted), tokens_BN, lengths_B
+        return params, cache.commit(verdict.path, verdict.num_accepted), tokens_BN, lengths_B
 
     def rounds_fn(params, cache, tokens_BN, lengths_B):
         return jax.lax.fori_loop(0, steps, round_fn, (params, cache, tokens_BN, lengths_B))[1]
 
     s = round_cache_length(cache_len + nodes + 1)
-    cache = init_cache(cfg, batch, s, per_layer=has_layer_list(params))
+    cache = merge(cfg, params).init_cache(batch, s)
     tokens_BN = jax.random.randint(jax.random.key(1), (batch, nodes), 0, cfg.vocab_size, jnp.int32)
     lengths_B = jnp.full((batch,), cache_len, jnp.int32)
     run_rounds = jax.jit(rounds_fn, donate_argnums=1)

@@ -69,8 +69,9 @@ from specjax.config import ModelConfig, RopeConfig
 from specjax.drafters import dflash, dspark
 from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head, run_layers
+from specjax.models.decoder import has_layer_list, run_layers
 from specjax.models.layers import rms_norm, rope_inv_freq
+from specjax.models.model import forward, lm_head
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
 

@@ -28,8 +28,7 @@ from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.speculative import verify_pass
 from specjax.decoding.tree import ancestor_mask, chain, depths
 from specjax.drafters.confidence import DEFAULT_GRID, NUM_BINS, CalibrationReport, fit_report
-from specjax.models.cache import commit
-from specjax.models.decoder import merge
+from specjax.models.model import merge
 
 # ---- collecting (confidence, accepted) from greedy speculative rounds -----------------------------------------
 
@@ -55,7 +54,7 @@ def _rounds(params, draft_params, prompt_BT, prompt_len_B, *, lc: LoopConfig, dr
         mask_BNN = ancestor_mask(draft.parents)
         verdict, features, cache = verify_pass(model, lc, draft, mask_BNN, depths(mask_BNN), cache,
                                                drafter.feature_layers, keys_B)  # lc.sampling is greedy
-        cache = commit(cache, verdict.path, verdict.num_accepted)
+        cache = cache.commit(verdict.path, verdict.num_accepted)
         dstate = drafter.update(draft_params, dstate, draft, verdict, features)
         return (cache, verdict.bonus, dstate), (draft.confidence[:, 1:], verdict.num_accepted - 1)
 

@@ -47,7 +47,8 @@ from flax import nnx
 from specjax.config import ModelConfig, RopeConfig
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Head, concat_features, head_of
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.decoder import has_layer_list
+from specjax.models.model import forward, lm_head
 from specjax.models.state import to_params
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF

@@ -16,8 +16,9 @@ from flax import nnx
 from jax import lax
 
 from specjax.config import ModelConfig
-from specjax.models.decoder import lm_head, merge, with_layout
+from specjax.models.decoder import with_layout
 from specjax.models.layers import rms_norm, rope_inv_freq
+from specjax.models.model import lm_head, merge
 
 NEG_INF = -1e30
 

@@ -60,8 +60,9 @@ from specjax.convert.export import NP_DTYPES, write_hf_dir
 from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
 from specjax.drafters import mtp
 from specjax.models.cache import init_cache
-from specjax.models.decoder import forward, has_layer_list, lm_head
+from specjax.models.decoder import has_layer_list
 from specjax.models.layers import rope_inv_freq
+from specjax.models.model import forward, lm_head
 from specjax.models.state import to_params
 from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
 from specjax.train.losses import LossFn

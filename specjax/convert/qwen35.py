@@ -1,0 +1,104 @@
+"""Qwen3.5's tensor names -> specjax params (transformers' Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration).
+
+The text model sits under `model.` (CausalLM) or `model.language_model.` (ConditionalGeneration, whose
+`model.visual.*` vision tower specjax does not run). Full-attention layers are `DecoderLayer`s whose
+q_proj holds each head's query and output gate side by side ([q_h | gate_h] per head, transformers'
+`torch.chunk(q_proj(x).view(..., heads, 2 * head_dim), 2)`): split here into wq and wg. Gated DeltaNet
+layers map name for name; the conv weight [C, 1, K] is stored [K, C].
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.models.model import param_shapes
+
+PREFIXES = ("model.", "model.language_model.")
+VISION_PREFIX = "model.visual."
+
+# specjax key -> (name inside the layer, transpose?) for keys taken as stored
+_SHARED = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+ATTENTION_KEYS = {
+    **_SHARED,
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+}
+GATED_Q = "self_attn.q_proj.weight"
+DELTANET_KEYS = {
+    **_SHARED,
+    "w_qkv": ("linear_attn.in_proj_qkv.weight", True),
+    "w_z": ("linear_attn.in_proj_z.weight", True),
+    "w_b": ("linear_attn.in_proj_b.weight", True),
+    "w_a": ("linear_attn.in_proj_a.weight", True),
+    "dt_bias": ("linear_attn.dt_bias", False),
+    "A_log": ("linear_attn.A_log", False),
+    "out_norm": ("linear_attn.norm.weight", False),
+    "w_out": ("linear_attn.out_proj.weight", True),
+}
+CONV = "linear_attn.conv1d.weight"
+
+Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected shape, transpose) -> array
+
+
+def text_prefix(tensors: dict[str, np.ndarray]) -> str:
+    """'model.language_model.' when the checkpoint is the multimodal layout, else 'model.'."""
+    return PREFIXES[1] if f"{PREFIXES[1]}embed_tokens.weight" in tensors else PREFIXES[0]
+
+
+def split_gated_q(w_OD: np.ndarray, heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """q_proj [heads x 2 head_dim, D] -> (query [D, heads x head_dim], gate [D, heads x head_dim])."""
+    per_head = w_OD.reshape(heads, 2, head_dim, -1)
+    return (per_head[:, 0].reshape(heads * head_dim, -1).T, per_head[:, 1].reshape(heads * head_dim, -1).T)
+
+
+def join_gated_q(wq_DQ: np.ndarray, wg_DQ: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """The inverse of split_gated_q: the q_proj weight as transformers stores it."""
+    d = wq_DQ.shape[0]
+    q, g = wq_DQ.T.reshape(heads, 1, head_dim, d), wg_DQ.T.reshape(heads, 1, head_dim, d)
+    return np.concatenate([q, g], axis=1).reshape(heads * 2 * head_dim, d)
+
+
+def take_attention_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig) -> dict:
+    """One gated full-attention layer's params from the tensors under `prefix` (a target layer or an MTP block)."""
+    layer = {k: take(prefix + name, shapes[k], tr) for k, (name, tr) in ATTENTION_KEYS.items()}
+    qd = cfg.num_heads * cfg.head_dim
+    q_proj = take(prefix + GATED_Q, (cfg.hidden_size, 2 * qd), True).T
+    layer["wq"], layer["wg"] = split_gated_q(q_proj, cfg.num_heads, cfg.head_dim)
+    return layer
+
+
+def take_deltanet_layer(take: Take, prefix: str, shapes: dict) -> dict:
+    layer = {k: take(prefix + name, shapes[k], tr) for k, (name, tr) in DELTANET_KEYS.items()}
+    k, c = shapes["conv_w"]
+    layer["conv_w"] = take(prefix + CONV, (c, 1, k), False)[:, 0, :].T
+    return layer
+
+
+def take_hybrid_params(take: Take, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """The hybrid target's param tree (per-layer) from a checkpoint in either published layout."""
+    prefix = text_prefix(tensors)
+    shapes = param_shapes(cfg)
+    layers = {}
+    for i in range(cfg.num_layers):
+        where = f"{prefix}layers.{i}."
+        if cfg.layer_type(i) == "full_attention":
+            layers[i] = take_attention_layer(take, where, shapes["layers"][i], cfg)
+        else:
+            layers[i] = take_deltanet_layer(take, where, shapes["layers"][i])
+    params = {"embed": take(f"{prefix}embed_tokens.weight", shapes["embed"], False), "layers": layers,
+              "final_norm": take(f"{prefix}norm.weight", shapes["final_norm"], False)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = take("lm_head.weight", shapes["lm_head"], True)
+    return params
