@@ -20,8 +20,7 @@ import specjax
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.sampling import sampling_logprobs
 from specjax.drafters import DraftModelDrafter
-from specjax.models.cache import init_cache
-from specjax.models.model import forward, init_params, lm_head
+from specjax.models.model import forward, init_params, lm_head, merge
 from specjax.models.target import Target
 
 VOCAB, PROMPT, NEW, ROWS = 6, [1, 2, 3], 3, 8192
@@ -36,7 +35,8 @@ def tiny(seed: int, layers: int) -> Target:
 def exact_distribution(model: Target, sampling: SamplingConfig) -> np.ndarray:
     """P(x1, x2, x3 | prompt) for all 216 continuations, as a [6, 6, 6] array."""
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(VOCAB), repeat=NEW - 1)], np.int32)
-    h, _, _ = forward(model.params, model.cfg, jnp.asarray(seqs), init_cache(model.cfg, len(seqs), 8), attn_impl="xla")
+    cache = merge(model.cfg, model.params).init_cache(len(seqs), 8)  # a KV cache, or a hybrid's
+    h, _, _ = forward(model.params, model.cfg, jnp.asarray(seqs), cache, attn_impl="xla")
     logp = np.asarray(sampling_logprobs(lm_head(model.params, model.cfg, h), sampling))  # [36, T, V]
     t = len(PROMPT) - 1
     probs = np.zeros((VOCAB,) * NEW)

@@ -87,7 +87,22 @@ def prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
         bad = [t for t in row if not 0 <= t < target.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.cfg.vocab_size})")
+    refuse_media_tokens(target, ids)
     return ids
+
+
+MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id")
+
+
+def refuse_media_tokens(target: Target, ids: list[list[int]]) -> None:
+    """A multimodal checkpoint (Qwen3.5's ConditionalGeneration) runs as text only: image or video placeholders in
+    a prompt would be read as plain tokens, so they are refused."""
+    media = {int(target.hf_config[k]): k for k in MEDIA_TOKEN_KEYS if isinstance(target.hf_config.get(k), int)}
+    for i, row in enumerate(ids):
+        found = sorted({media[t] for t in row if t in media})
+        if found:
+            raise ValueError(f"prompt {i} holds {', '.join(found)} placeholders: specjax runs this model's text part "
+                             "only (its vision tower is not loaded); pass text without images or video")
 
 
 def cache_length(target: Target, ids: list[list[int]], max_new_tokens: int, max_len: int | None,

@@ -55,6 +55,10 @@ class DraftModelDrafter:
         return f"DraftModelDrafter({model_summary(self.cfg, self.attn_impl)})"
 
     def configure(self, settings: Settings) -> "DraftModelDrafter":
+        if self.cfg.is_hybrid:  # its guesses would advance a recurrent state that a rejected draft cannot undo
+            raise ValueError(f"a hybrid draft model ({self.cfg.family}: Gated DeltaNet layers) is not supported: its "
+                             "drafting passes would need the per-node state handling the target's verification has; "
+                             "use a dense draft model (Llama, Qwen2/3, Mistral) or the target's MTP layers")
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
