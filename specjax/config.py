@@ -19,6 +19,8 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": dict(family="llama", qkv_bias=None, qk_norm=False),
     "MistralForCausalLM": dict(family="mistral", qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
+    # XiaomiMiMo/MiMo-7B: a Qwen2 decoder carrying MTP layers under model.mtp_layers (convert/mtp.py).
+    "MiMoForCausalLM": dict(family="mimo", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
     # Qwen3.5: zero-centred norms, gated attention with partial rotary, Gated DeltaNet layers
     # (transformers/models/qwen3_5/modeling_qwen3_5.py).

@@ -146,3 +146,32 @@ def test_module_declares_named_axes():
     for path, var in nnx.iter_graph(layer):
         if isinstance(var, nnx.Param):
             assert len(var.out_sharding) == var[...].ndim, path
+
+
+def qwen35_9b() -> ModelConfig:
+    """Qwen3.5-9B's text config (transformers' Qwen3_5TextConfig defaults are that model's), in bf16."""
+    import transformers
+
+    hf = transformers.Qwen3_5TextConfig().to_dict()
+    return ModelConfig.from_hf({**hf, "architectures": ["Qwen3_5ForCausalLM"]}, dtype="bfloat16")
+
+
+def test_roofline_counts_the_deltanet_state():
+    """Per row: the state read by the pass, read and written by the commit; each node's kept results written and
+    read back; KV only for the 8 attention layers (docs/architecture.md, Hybrid targets)."""
+    from specjax.planning.profile import DEVICES, Roofline, hybrid_bytes
+
+    cfg = qwen35_9b()
+    assert len(cfg.linear_layers) == 24 and len(cfg.attention_layers) == 8
+    state, node, _ = hybrid_bytes(cfg)
+    assert state == 24 * 32 * 128 * 128 * 4 == 48 * 2 ** 20
+    assert node == 24 * (8192 * 2 + 32 * (128 + 128 + 1) * 4)  # 1.13 MiB per node per row
+    roof = Roofline.for_config(cfg, DEVICES["h100"], cache_len=1000)
+    assert roof.kv_bytes_per_position == 2 * 8 * 4 * 256 * 2
+    bw = DEVICES["h100"].bandwidth
+    for batch, nodes in ((1, 1), (8, 16), (64, 4)):
+        kv = batch * 1000 * roof.kv_bytes_per_position / bw
+        extra = roof.verify_s(batch, nodes) - roof._pass_s(batch * nodes, 0) - kv  # beyond weights/compute and KV
+        assert extra == pytest.approx(batch * (3 * state + 2 * nodes * node) / bw, rel=1e-6)
+    assert roof.plain_s(64) < roof.verify_s(64, 1)  # a plain step touches the state twice, a round three times
+    assert hybrid_bytes(ModelConfig(16, 8, 16, 2, 2, 1, 4)) == (0.0, 0.0, 0.0)

@@ -28,6 +28,7 @@ from specjax.decoding.tree import chain
 from specjax.decoding.verify import Draft, Verdict
 from specjax.drafters import DraftModelDrafter, MtpDrafter, mtp
 from specjax.loading.drafter import mtp_drafter
+from specjax.models.decoder import POST_NORM
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
 CASES = ("deepseek2", "deepseek1", "qwen3_next")
@@ -98,7 +99,7 @@ def test_fixture_layouts_are_read_as_stored(case):
     name, target, drafter, _ = case
     assert drafter.cfg.layout == ("qwen3_next" if name == "qwen3_next" else "deepseek")
     assert drafter.cfg.num_layers == (2 if name == "deepseek2" else 1)
-    assert drafter.feature_layers == (target.cfg.num_layers,)
+    assert drafter.feature_layers == (POST_NORM,)  # the lm_head's input, as vLLM feeds these layouts
     layer0 = drafter.params["layers"][0]
     # deepseek1 repeats the embedding (equal: not kept) and has its own head (different: kept).
     assert ("lm_head" in layer0) == (name == "deepseek1") and "embed" not in layer0

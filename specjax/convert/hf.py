@@ -39,7 +39,8 @@ _HARMLESS = (
     re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
 )
 # Multi-token-prediction heads: DeepSeek-V3 style (an extra layer past num_hidden_layers with these
-# modules) and Qwen3-Next style (an `mtp.` prefix). Recognised here, read by convert/mtp.py.
+# modules), Qwen3-Next / Qwen3.5 style (an `mtp.` prefix) and MiMo's (`model.mtp_layers.`).
+# Recognised here, read by convert/mtp.py.
 _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
@@ -131,7 +132,7 @@ def split_known_extras(names: list[str], cfg: ModelConfig) -> dict[str, list[str
     groups: dict[str, list[str]] = {"mtp": [], "unknown": []}
     for name in names:
         layer = _LAYER_INDEX.match(name)
-        is_mtp = name.startswith("mtp.") or (layer is not None and layer.group(1) in mtp_layers)
+        is_mtp = name.startswith(("mtp.", "model.mtp_layers.")) or (layer is not None and layer.group(1) in mtp_layers)
         groups["mtp" if is_mtp else "unknown"].append(name)
     return groups
 

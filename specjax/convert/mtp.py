@@ -1,6 +1,6 @@
 """Read the multi-token-prediction (MTP) tensors a target checkpoint carries, checked against the target.
 
-Two layouts (torch [out, in] weights; H = the target's hidden size, V its vocabulary):
+Three layouts (torch [out, in] weights; H = the target's hidden size, V its vocabulary):
 
   DeepSeek-V3: MTP layer j is stored as an extra decoder layer `model.layers.{L + j}` (L =
   num_hidden_layers) with, besides the usual layer tensors (input_layernorm, self_attn.*,
@@ -12,15 +12,25 @@ Two layouts (torch [out, in] weights; H = the target's hidden size, V its vocabu
 
   Qwen3-Next / Qwen3.5: `mtp.fc.weight` [H, 2H], `mtp.pre_fc_norm_embedding.weight` [H],
   `mtp.pre_fc_norm_hidden.weight` [H], `mtp.norm.weight` [H] (shared by all MTP layers),
-  `mtp.layers.{j}.*` (the usual layer tensors); the target's lm_head.
+  `mtp.layers.{j}.*` (the usual layer tensors: on a Qwen3.5 target its gated full-attention
+  layer, q_proj holding query and gate per head), optionally `mtp.embed_tokens.weight` [V, H]
+  (`mtp_use_dedicated_embeddings`; else the target's embedding, as vLLM's qwen3_5_mtp.py loads
+  it); the target's lm_head.
   config.json: mtp_num_hidden_layers or num_nextn_predict_layers (checked when present).
+
+  MiMo (XiaomiMiMo/MiMo-7B, a Qwen2 target, architectures MiMoForCausalLM): MTP layer j is
+  `model.mtp_layers.{j}` with token_layernorm.weight [H], hidden_layernorm.weight [H],
+  input_proj.weight [H, 2H], final_layernorm.weight [H] and the Qwen2 layer tensors directly under
+  the same prefix (vllm/model_executor/models/mimo_mtp.py maps them to its mtp_block).
+  config.json: num_nextn_predict_layers.
 
 specjax's MTP block is a dense decoder layer of the target's family, so every block tensor
 must have the shape of one of the target's layers (MLA / MoE blocks are refused by name).
 Stored form (`params["mtp"]` of a converted checkpoint, `Target.mtp`), [in, out] matrices:
-  deepseek:   {"layers": {"0": {embed_norm, hidden_norm, fc [2H, H], final_norm, block {...},
-                                optionally embed [V, H], lm_head [H, V]}, "1": ...}}
-  qwen3_next: {embed_norm, hidden_norm, fc, final_norm, "layers": {"0": {block {...}}, ...}}
+  deepseek, mimo: {"layers": {"0": {embed_norm, hidden_norm, fc [2H, H], final_norm, block {...},
+                                    optionally embed [V, H], lm_head [H, V]}, "1": ...}}
+                  (the layout follows the target: MiMo's family is "mimo")
+  qwen3_next: {embed_norm, hidden_norm, fc, final_norm, optionally embed, "layers": {"0": {block {...}}, ...}}
 A per-layer embed_tokens or shared_head.head equal to the target's own table is not kept (the
 drafter uses the target's array: DeepSeek-V3's checkpoint repeats both in its MTP layer).
 """
@@ -34,6 +44,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.convert.qwen35 import GATED_Q, join_gated_q, take_attention_layer
 from specjax.drafters.mtp import layer_shapes
 
 _SHOWN = 8
@@ -62,6 +73,9 @@ def _layout_names(prefix: str, layout: str) -> dict[str, str]:
     if layout == "deepseek":
         return {"embed_norm": f"{prefix}enorm.weight", "hidden_norm": f"{prefix}hnorm.weight",
                 "fc": f"{prefix}eh_proj.weight", "final_norm": f"{prefix}shared_head.norm.weight"}
+    if layout == "mimo":
+        return {"embed_norm": f"{prefix}token_layernorm.weight", "hidden_norm": f"{prefix}hidden_layernorm.weight",
+                "fc": f"{prefix}input_proj.weight", "final_norm": f"{prefix}final_layernorm.weight"}
     return {"embed_norm": "mtp.pre_fc_norm_embedding.weight", "hidden_norm": "mtp.pre_fc_norm_hidden.weight",
             "fc": "mtp.fc.weight", "final_norm": "mtp.norm.weight"}
 
@@ -94,8 +108,11 @@ class _Reader:
         why = (f"one decoder layer of the target (hidden {c.hidden_size}, {c.num_heads} heads x {c.head_dim}, "
                f"{c.num_kv_heads} kv heads, intermediate {c.intermediate_size}; specjax's MTP block is a dense layer "
                "of the target's family)")
+        shapes = block_shapes(c)
+        if c.attn_output_gate:  # Qwen3.5: the gated attention layer's q_proj is split into wq and wg
+            return take_attention_layer(lambda name, shape, tr: self.take(name, shape, tr, why), prefix, shapes, c)
         keys = _layer_keys()
-        return {k: self.take(prefix + keys[k][0], s, keys[k][1], why) for k, s in block_shapes(c).items()}
+        return {k: self.take(prefix + keys[k][0], s, keys[k][1], why) for k, s in shapes.items()}
 
     def optional_table(self, name: str, same_as: str | None, transpose: bool) -> np.ndarray | None:
         """An optional [V, H] table; None (use the target's) when absent or equal to `same_as`."""
@@ -114,6 +131,8 @@ class _Reader:
 
 _DEEPSEEK_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _QWEN_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
+_MIMO_LAYER = re.compile(r"model\.mtp_layers\.(\d+)\.")
+MIMO_PREFIX = "model.mtp_layers."
 
 
 def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig, hf: dict) -> dict:
@@ -124,11 +143,30 @@ def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig,
     """
     reader = _Reader(tensors, cfg)
     qwen = [n for n in names if n.startswith("mtp.")]
-    deepseek = [n for n in names if not n.startswith("mtp.")]
-    if qwen and deepseek:
+    mimo = [n for n in names if n.startswith(MIMO_PREFIX)]
+    deepseek = [n for n in names if not n.startswith(("mtp.", MIMO_PREFIX))]
+    if mimo and cfg.family != "mimo":
+        raise ValueError(f"MiMo-style MTP layers ({_shown(mimo)}) on a '{cfg.family}' target: they belong to a "
+                         "MiMoForCausalLM checkpoint (config.json architectures)")
+    if cfg.family == "mimo" and (qwen or deepseek):
+        raise ValueError(f"a MiMo target's MTP layers are model.mtp_layers.*; this checkpoint has "
+                         f"{_shown(qwen + deepseek)}")
+    if mimo:
+        indices = sorted({int(m.group(1)) for n in mimo if (m := _MIMO_LAYER.match(n))})
+        if indices != list(range(len(indices))) or not indices:
+            raise ValueError(f"the checkpoint's MiMo MTP layers are model.mtp_layers.{indices}; expected "
+                             "model.mtp_layers.0, 1, ...")
+        stored = {"layers": {}}
+        for j in indices:
+            prefix = f"{MIMO_PREFIX}{j}."
+            layer = reader.fuse(_layout_names(prefix, "mimo"))
+            layer["block"] = reader.block(prefix)
+            stored["layers"][str(j)] = layer
+        count, count_keys = len(indices), ("num_nextn_predict_layers",)
+    elif qwen and deepseek:
         raise ValueError(f"checkpoint mixes the DeepSeek-V3 MTP layout ({_shown(deepseek)}) with the Qwen3-Next one "
                          f"({_shown(qwen)}); a model carries one")
-    if deepseek:
+    elif deepseek:
         indices = sorted({int(m.group(1)) for n in deepseek if (m := _DEEPSEEK_LAYER.match(n))})
         count_keys = ("num_nextn_predict_layers",)
         expected = list(range(cfg.num_layers, cfg.num_layers + len(indices)))
@@ -156,6 +194,9 @@ def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig,
             raise ValueError(f"the checkpoint's Qwen3-Next-style MTP layers are mtp.layers.{indices}; expected "
                              "mtp.layers.0, 1, ... (at least one)")
         stored = reader.fuse(_layout_names("mtp.", "qwen3_next"))
+        embed = reader.optional_table("mtp.embed_tokens.weight", _target_embed(tensors), transpose=False)
+        if embed is not None:  # mtp_use_dedicated_embeddings
+            stored["embed"] = embed
         stored["layers"] = {str(j): {"block": reader.block(f"mtp.layers.{j}.")} for j in indices}
         count = len(indices)
     for key in count_keys:
@@ -169,6 +210,12 @@ def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig,
                          "specjax's MTP block is a dense decoder layer of the target's family (no MoE / MLA), and "
                          "it refuses to drop weights")
     return stored
+
+
+def _target_embed(tensors: dict[str, np.ndarray]) -> str:
+    """The target's embedding name in either Qwen3.5 layout."""
+    nested = "model.language_model.embed_tokens.weight"
+    return nested if nested in tensors else "model.embed_tokens.weight"
 
 
 def check_stored(stored: dict, cfg: ModelConfig) -> None:
@@ -217,6 +264,12 @@ def mtp_hf_tensors(stored: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
     def put_block(prefix: str, block: dict) -> None:
         for k, v in block.items():
+            if k == "wg":
+                continue
+            if k == "wq" and "wg" in block:  # Qwen3.5: query and gate back into one q_proj, per head
+                out[prefix + GATED_Q] = join_gated_q(np.asarray(v), np.asarray(block["wg"]), cfg.num_heads,
+                                                     cfg.head_dim)
+                continue
             name, transpose = keys[k]
             out[prefix + name] = np.asarray(v).T if transpose else np.asarray(v)
 
@@ -226,12 +279,15 @@ def mtp_hf_tensors(stored: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
     if "fc" in stored:  # qwen3_next: shared fuse modules
         put_fuse(_layout_names("mtp.", "qwen3_next"), stored)
+        if "embed" in stored:
+            out["mtp.embed_tokens.weight"] = np.asarray(stored["embed"])
         for j, layer in stored["layers"].items():
             put_block(f"mtp.layers.{j}.", layer["block"])
         return out
+    mimo = cfg.family == "mimo"
     for j, layer in stored["layers"].items():
-        prefix = f"model.layers.{cfg.num_layers + int(j)}."
-        put_fuse(_layout_names(prefix, "deepseek"), layer)
+        prefix = f"{MIMO_PREFIX}{j}." if mimo else f"model.layers.{cfg.num_layers + int(j)}."
+        put_fuse(_layout_names(prefix, "mimo" if mimo else "deepseek"), layer)
         put_block(prefix, layer["block"])
         if "lm_head" in layer:
             out[prefix + "shared_head.head.weight"] = np.asarray(layer["lm_head"]).T
@@ -246,7 +302,8 @@ def mtp_only_config(target_hf: dict, stored: dict, target_ref: str, dtype: str) 
     config = {k: v for k, v in target_hf.items() if k != "dtype"}
     config["mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers"] = len(stored["layers"])
     config["torch_dtype"] = dtype
-    config[MTP_ONLY_KEY] = {"target": target_ref, "layout": "qwen3_next" if qwen else "deepseek",
+    layout = "qwen3_next" if qwen else ("mimo" if target_hf.get("model_type") == "mimo" else "deepseek")
+    config[MTP_ONLY_KEY] = {"target": target_ref, "layout": layout,
                             "note": "MTP tensors only (the names they have inside the target's checkpoint); the "
                                     "embedding and lm_head are the target's: specjax.load_drafter(this dir, target)"}
     return config

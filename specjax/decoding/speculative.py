@@ -32,7 +32,7 @@ from specjax.decoding.scheduler import cost_table, prefix_schedule, verify_width
 from specjax.decoding.stats import SpecStats, record_round, record_width, summarize
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, depths
 from specjax.decoding.verify import Draft, Verdict, verify
-from specjax.models.decoder import Decoder
+from specjax.models.decoder import POST_NORM, Decoder
 from specjax.models.model import merge
 from specjax.models.target import Target
 
@@ -220,8 +220,8 @@ def check_drafter_fits(drafter: Drafter, target: Target) -> None:
     if vocab is not None and vocab != target.cfg.vocab_size:
         raise ValueError(f"drafter '{drafter.name}' has a vocabulary of {vocab} tokens but the target has "
                          f"{target.cfg.vocab_size}; a drafter must share the target's tokenizer")
-    bad = [i for i in drafter.feature_layers if not 0 <= i <= target.cfg.num_layers]
+    bad = [i for i in drafter.feature_layers if not (0 <= i <= target.cfg.num_layers or i == POST_NORM)]
     if bad:
         raise ValueError(f"drafter '{drafter.name}' asks for target hidden states {bad}, but the target has "
-                         f"{target.cfg.num_layers} layers (valid: 0..{target.cfg.num_layers})")
+                         f"{target.cfg.num_layers} layers (valid: 0..{target.cfg.num_layers}, or {POST_NORM}: after the final norm)")
 

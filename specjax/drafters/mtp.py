@@ -1,22 +1,36 @@
 """Multi-token-prediction (MTP) heads: prediction layers shipped inside the target, as a drafter.
 
-An MTP layer reads the target's pre-norm last hidden state h_p at position p and the
-embedding of the token after it, t_{p+1}, and predicts t_{p+2}:
+An MTP layer reads the target's last hidden state h_p at position p and the embedding of the
+token after it, t_{p+1}, and predicts t_{p+2}:
 
-    x  = fc(concat(embed_norm(embed(t_{p+1})), hidden_norm(h_p)))     embedding first, 2H -> H, no bias
+    x  = fc(concat(embed_norm(embed(t_{p+1})), hidden_norm(h_p)))     2H -> H, no bias
     h' = block(x)                    a decoder layer of the target's family, with its own KV cache
     logits = lm_head(final_norm(h'))
 
-Two checkpoint layouts (see convert/mtp.py for the tensor names):
+Three checkpoint layouts (see convert/mtp.py for the tensor names), each run as its producer's
+serving code runs it:
   * DeepSeek-V3 ("deepseek"): every MTP layer has its own enorm / hnorm / eh_proj /
-    shared_head.norm (and optionally its own shared_head.head and embed_tokens). As vLLM and
-    SGLang compute it, the embedding at position 0 is zeroed (`mask_position0`). The hidden fed
-    to the next draft step is h' before shared_head.norm.
+    shared_head.norm (and optionally its own shared_head.head and embed_tokens); embedding first.
+    As vLLM and SGLang compute it, the embedding at position 0 is zeroed (`mask_position0`). The
+    hidden fed to the next draft step is h' before shared_head.norm.
   * Qwen3-Next / Qwen3.5 ("qwen3_next"): one pre_fc_norm_embedding / pre_fc_norm_hidden / fc /
-    norm shared by all `mtp.layers`; those norms are zero-centred as in Qwen3-Next (scale
-    1 + w, `zero_centered`); logits use the target's lm_head. The hidden fed to the next draft
-    step is final_norm(h') (vLLM's Qwen3NextMultiTokenPredictor returns it normed).
-The block itself is always the target's dense layer (the decoder's `DecoderLayer`),
+    norm shared by all `mtp.layers`; embedding first; those norms are zero-centred (scale 1 + w,
+    `zero_centered`); logits use the target's lm_head. The hidden fed to the next draft step is
+    final_norm(h') (vLLM's Qwen3NextMultiTokenPredictor and Qwen3_5MultiTokenPredictor return it
+    normed). On a Qwen3.5 target the block is its gated full-attention layer.
+  * MiMo ("mimo", XiaomiMiMo/MiMo-7B: model.mtp_layers.{i}): per-layer token_layernorm /
+    hidden_layernorm / input_proj / final_layernorm, the hidden FIRST in the concat, the
+    embedding zeroed at position 0, plain RMSNorms; the layer returns final_layernorm(h'), which
+    is both what the target's lm_head scores and what the next step reads
+    (vllm/model_executor/models/mimo_mtp.py, MiMoMultiTokenPredictorLayer.forward).
+
+Which target hidden state h_p is (`reads_post_norm`): DeepSeek-V3, Qwen3-Next and Qwen3.5 read
+the state after the target's final norm (the lm_head's input): vLLM's target models return
+`self.norm(hidden_states, residual)` from forward (vllm/model_executor/models/deepseek_v2.py,
+qwen3_next.py, qwen3_5.py) and the MTP proposer passes that output on; SGLang and Megatron-LM
+agree. MiMo reads the state before it: vLLM's MiMoModel.forward returns `hidden_states + residual`
+and applies `model.norm` only in compute_logits (vllm/model_executor/models/mimo.py).
+The block is always a dense attention layer of the target (the decoder's `DecoderLayer`),
 whatever the original model's block was (MLA / MoE blocks are out of scope).
 
 Drafting (chains): draft 1 comes from MTP layer 0 at the newest committed row (the target's
@@ -56,11 +70,11 @@ from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import DecoderLayer
+from specjax.models.decoder import POST_NORM, DecoderLayer
 from specjax.models.layers import causal_mask, normal, param, rms_norm, rope_inv_freq
 from specjax.models.state import merged, shapes_of
 
-LAYOUTS = ("deepseek", "qwen3_next")
+LAYOUTS = ("deepseek", "qwen3_next", "mimo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,7 @@ class MtpConfig:
     others use the target's.
     """
 
-    layout: str  # "deepseek" | "qwen3_next"
+    layout: str  # one of LAYOUTS
     num_layers: int  # MTP layers
     target: ModelConfig  # the target's config: the block is one of its layers
     own_embed: tuple[int, ...] = ()
@@ -79,23 +93,34 @@ class MtpConfig:
 
     @property
     def block(self) -> ModelConfig:
-        """One decoder layer of the target's family (shapes, RoPE, norms, biases)."""
-        return dataclasses.replace(self.target, num_layers=1)
+        """One full-attention decoder layer of the target's family (shapes, RoPE, norms, biases, output gate)."""
+        return dataclasses.replace(self.target, num_layers=1, layer_types=(), linear=None)
 
     @property
     def zero_centered(self) -> bool:
-        """Qwen3-Next's own norms scale by (1 + w) (vLLM: Qwen3NextRMSNorm = GemmaRMSNorm)."""
+        """Qwen3-Next / Qwen3.5's own norms scale by (1 + w) (vLLM: Qwen3NextRMSNorm and Qwen3_5RMSNorm are
+        GemmaRMSNorm)."""
         return self.layout == "qwen3_next"
 
     @property
     def mask_position0(self) -> bool:
-        """DeepSeek MTP zeroes the embedding at position 0 (vLLM / SGLang deepseek MTP forward)."""
-        return self.layout == "deepseek"
+        """DeepSeek and MiMo MTP zero the embedding at position 0 (vLLM / SGLang deepseek_mtp.py, vLLM mimo_mtp.py)."""
+        return self.layout in ("deepseek", "mimo")
 
     @property
     def feed_back_normed(self) -> bool:
-        """Whether the next draft step is fed final_norm(h') (Qwen3-Next) or h' itself (DeepSeek)."""
-        return self.layout == "qwen3_next"
+        """Whether the next draft step is fed final_norm(h') (Qwen3-Next, MiMo) or h' itself (DeepSeek)."""
+        return self.layout in ("qwen3_next", "mimo")
+
+    @property
+    def hidden_first(self) -> bool:
+        """MiMo concatenates [hidden, embedding]; the others [embedding, hidden]."""
+        return self.layout == "mimo"
+
+    @property
+    def reads_post_norm(self) -> bool:
+        """Whether h_p is the target's final-normed state (module docstring) or its pre-norm one (MiMo)."""
+        return self.layout != "mimo"
 
 
 # ---- the network, shared by serving, parity tests and training ---------------------------------------------
@@ -124,15 +149,15 @@ class MtpLayer(nnx.Module):
 
     def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
         """The MTP module's own RMSNorms (not the block's): scale w, or 1 + w for the Qwen3-Next layout."""
-        w = weight[...]
-        return rms_norm(x, 1.0 + w if self.cfg.zero_centered else w, self.cfg.target.rms_norm_eps)
+        return rms_norm(x, weight[...], self.cfg.target.rms_norm_eps, offset=self.cfg.zero_centered)
 
     def fuse(self, emb_BTD: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        """fc(concat(embed_norm(emb), hidden_norm(h))): the block's input [B, T, H]."""
+        """fc(concat(embed_norm(emb), hidden_norm(h))) (hidden first for MiMo): the block's input [B, T, H]."""
         emb_BTD = emb_BTD.astype(h_BTD.dtype)
         if self.cfg.mask_position0:
             emb_BTD = jnp.where((positions_BT == 0)[..., None], jnp.zeros_like(emb_BTD), emb_BTD)
-        x_BT2D = jnp.concatenate([self.norm(emb_BTD, self.embed_norm), self.norm(h_BTD, self.hidden_norm)], axis=-1)
+        parts = [self.norm(emb_BTD, self.embed_norm), self.norm(h_BTD, self.hidden_norm)]
+        x_BT2D = jnp.concatenate(parts[::-1] if self.cfg.hidden_first else parts, axis=-1)
         return x_BT2D @ self.fc[...]
 
     def final_normed(self, out_BTD: jax.Array) -> jax.Array:
@@ -179,13 +204,13 @@ class MtpHead(nnx.Module):
         block_cfg = self.cfg.block
         x_BTD = self.fused(j, ids_BT, h_BTD, positions_BT)
         return self.layers[j].block(x_BTD, k_buf, v_buf, None, lengths_B, positions_BT, mask_BTT,
-                                    rope_inv_freq(block_cfg.rope, block_cfg.head_dim), attn_impl)
+                                    rope_inv_freq(block_cfg.rope, block_cfg.rotary_dim), attn_impl)
 
     def feedback(self, j: int, out_BTD: jax.Array) -> jax.Array:
         return self.layers[j].feedback(out_BTD)
 
     def logits(self, j: int, out_BTD: jax.Array) -> jax.Array:
-        """fp32 logits over the target vocabulary [..., V] from layer j's pre-norm output."""
+        """fp32 logits over the target vocabulary [..., V] from layer j's output before its final norm."""
         layer = self.layers[j]
         x = layer.final_normed(out_BTD)
         if layer.lm_head is not None:
@@ -213,9 +238,11 @@ def init_head_cache(cfg: MtpConfig, batch: int, max_len: int) -> KVCache:
 # ---- params: the stored (converted) form -> what the drafter runs ------------------------------------------
 
 
-def stored_layout(stored: dict) -> str:
-    """'qwen3_next' when the fuse modules are shared (top-level `fc`), else 'deepseek'."""
-    return "qwen3_next" if "fc" in stored else "deepseek"
+def stored_layout(stored: dict, target_cfg: ModelConfig) -> str:
+    """'qwen3_next' when the fuse modules are shared (top-level `fc`); else 'mimo' on a MiMo target, 'deepseek'."""
+    if "fc" in stored:
+        return "qwen3_next"
+    return "mimo" if target_cfg.family == "mimo" else "deepseek"
 
 
 def stored_num_layers(stored: dict) -> int:
@@ -240,7 +267,7 @@ class MtpDrafter:
     """A target's own MTP layers behind the Drafter protocol (chains; greedy or sampled with q).
 
     State: (per-layer KV caches whose `lengths` equal the target's, `last_out_BD`): layer 0's
-    pre-norm output at the newest committed row, the row paired with the current root, whose
+    output (before its final norm) at the newest committed row, the row paired with the current root, whose
     logits are the first draft. params: MtpHead's plain-dict form (module docstring), merged back into
     the head (`head_of`) at the top of init / propose / update.
     """
@@ -258,7 +285,7 @@ class MtpDrafter:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return (self.cfg.target.num_layers,)  # the target's pre-norm last hidden
+        return feature_layers(self.cfg)
 
     @property
     def vocab_size(self) -> int:
@@ -336,9 +363,14 @@ class MtpDrafter:
         return KVCache(cache.k, cache.v, cache.lengths + verdict.num_accepted), last_out_BD
 
 
+def feature_layers(cfg: MtpConfig) -> tuple[int, ...]:
+    """The target hidden state the layout's MTP reads: after the final norm, or (MiMo) before it."""
+    return (POST_NORM,) if cfg.reads_post_norm else (cfg.target.num_layers,)
+
+
 def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
     """The MtpConfig of stored MTP layers (convert/mtp.py) on the target they belong to."""
     layers = [stored["layers"][str(j)] for j in range(stored_num_layers(stored))]
-    return MtpConfig(layout=stored_layout(stored), num_layers=len(layers), target=target_cfg,
+    return MtpConfig(layout=stored_layout(stored, target_cfg), num_layers=len(layers), target=target_cfg,
                      own_embed=tuple(j for j, layer in enumerate(layers) if "embed" in layer),
                      own_lm_head=tuple(j for j, layer in enumerate(layers) if "lm_head" in layer))

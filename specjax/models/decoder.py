@@ -15,7 +15,8 @@ stacked array before its matmuls, tripling the memory traffic of batch-1 decode)
 Hidden-state numbering follows Hugging Face: `capture=(i,)` returns the residual
 stream entering layer i (= HF `hidden_states[i]`, 0 = embeddings); `i = num_layers`
 returns the last layer's output before the final norm (HF's last hidden state is
-already normed, ours is not: MTP heads want the pre-norm one).
+already normed, ours is not); `POST_NORM` (-1) returns the final-normed state, the one the
+lm_head scores (what vLLM and SGLang feed most MTP layers).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from specjax.models.layers import (
     rope_inv_freq,
     swiglu,
 )
+
+POST_NORM = -1  # a `capture` entry: the final-normed hidden state (the lm_head's input)
 
 
 class PreNormMLP:
@@ -227,7 +230,7 @@ class Decoder(nnx.Module):
         h_BTD = self.embed[...][tokens_BT]
         # One buffer slot per distinct captured layer, written by index as the layers run (in place in
         # the carry); a layer that is not captured maps to slot U, which mode="drop" discards.
-        unique = sorted(set(capture))
+        unique = sorted(set(i for i in capture if i != POST_NORM))
         captured_UBTD = jnp.zeros((len(unique), b, t, cfg.hidden_size), h_BTD.dtype)
         slot_of_layer = jnp.asarray([unique.index(i) if i in unique else len(unique)
                                      for i in range(cfg.num_layers + 1)], jnp.int32)
@@ -249,7 +252,8 @@ class Decoder(nnx.Module):
         h_BTD, (k, v), captured_UBTD = run_layers(self.layers, h_BTD, cache, layer_fn, captured_UBTD)
         captured_UBTD = keep(captured_UBTD, cfg.num_layers, h_BTD)
         out_BTD = rms_norm(h_BTD, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        return out_BTD, tuple(captured_UBTD[unique.index(i)] for i in capture), KVCache(k, v, lengths_B)
+        picked = tuple(out_BTD if i == POST_NORM else captured_UBTD[unique.index(i)] for i in capture)
+        return out_BTD, picked, KVCache(k, v, lengths_B)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """Logits in fp32 from final-normed hidden states (tied embeddings when the config says so)."""

@@ -99,17 +99,23 @@ class Roofline:
     device: DeviceSpec
     params: float  # matmul parameters (2 FLOPs each per token)
     weight_bytes: float  # bytes read once per pass
-    kv_bytes_per_position: float = 0.0  # K and V bytes of one cached position of one row, all layers
+    kv_bytes_per_position: float = 0.0  # K and V bytes of one cached position of one row, all attention layers
     cache_len: int = 0  # cached positions each row's attention reads
+    state_bytes_per_row: float = 0.0  # a hybrid's Gated DeltaNet states, all layers, one row (fp32)
+    node_bytes: float = 0.0  # per draft node per row: the DeltaNet results a verify pass keeps for commit
+    state_flops_per_token: float = 0.0  # the delta rule's state reads and updates per token (not in params)
 
     @classmethod
     def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0) -> "Roofline":
-        """From a ModelConfig: params and bytes at its dtype, KV per position from layers x kv heads x head_dim."""
+        """From a ModelConfig: params and bytes at its dtype, KV per position from the attention layers x kv heads
+        x head_dim, and for a hybrid its recurrent state (`hybrid_bytes`)."""
         width = DTYPE_BYTES[str(cfg.dtype)]
         params = cfg.num_params()
-        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+        kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * width
         peak = device.peak_for(str(cfg.dtype))
-        return cls(dataclasses.replace(device, peak_flops=peak), params, params * width, kv, cache_len)
+        state, node, flops = hybrid_bytes(cfg)
+        return cls(dataclasses.replace(device, peak_flops=peak), params, params * width, kv, cache_len, state, node,
+                   flops)
 
     @property
     def knee(self) -> float:
@@ -117,11 +123,37 @@ class Roofline:
         return self.device.peak_flops * self.weight_bytes / (2 * self.params * self.device.bandwidth)
 
     def verify_s(self, batch: int, nodes: int) -> float:
-        tokens = batch * nodes
+        """One verify pass of `nodes` per row and its commit. A hybrid's DeltaNet state is read by the pass and
+        read and written by the commit (3 x the state), and each node's results are written and read back."""
+        state = batch * (3 * self.state_bytes_per_row + 2 * nodes * self.node_bytes)
+        return self._pass_s(batch * nodes, batch * self.cache_len * self.kv_bytes_per_position + state)
+
+    def plain_s(self, batch: int) -> float:
+        """One plain decoding step: the recurrence reads and writes each row's state once."""
+        return self._pass_s(batch, batch * (self.cache_len * self.kv_bytes_per_position + 2 * self.state_bytes_per_row))
+
+    def _pass_s(self, tokens: int, per_row_bytes: float) -> float:
         weights = self.weight_bytes / self.device.bandwidth
-        compute = 2 * self.params * tokens / self.device.peak_flops
-        kv = batch * self.cache_len * self.kv_bytes_per_position / self.device.bandwidth
-        return max(weights, compute) + kv
+        compute = (2 * self.params + self.state_flops_per_token) * tokens / self.device.peak_flops
+        return max(weights, compute) + per_row_bytes / self.device.bandwidth
+
+
+def hybrid_bytes(cfg) -> tuple[float, float, float]:
+    """(state bytes per row, kept bytes per verified node per row, state FLOPs per token) of a hybrid's DeltaNet
+    layers; zeros for a dense model.
+
+    State: Hv x dk x dv fp32 per layer. A verified node keeps its conv input (C in the model dtype), its
+    key, corrected value (fp32, on the value heads) and cumulative decay (models/cache.py NodeResults).
+    FLOPs: reading the state twice (w S, q S) and the rank-1 update, about 6 dk dv per value head per token.
+    """
+    lin = cfg.linear
+    if lin is None:
+        return 0.0, 0.0, 0.0
+    n = len(cfg.linear_layers)
+    heads, dk, dv = lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+    state = n * heads * dk * dv * 4
+    node = n * (lin.conv_dim * DTYPE_BYTES[str(cfg.dtype)] + heads * (dk + dv + 1) * 4)
+    return float(state), float(node), float(6 * n * heads * dk * dv)
 
 
 def relative_draft(verify_s: Callable[[int, int], float], cost: float) -> Callable[[int, int], float]:
@@ -135,7 +167,8 @@ def roofline_cost(cfg, device: str | DeviceSpec, cache_len: int = 0, draft_cost:
     dev = device_spec(device) if isinstance(device, str) else device
     roof = Roofline.for_config(cfg, dev, cache_len)
     return CostModel(roof.verify_s, relative_draft(roof.verify_s, draft_cost),
-                     f"roofline {dev.name}, knee {roof.knee:.0f} tokens/pass, draft {draft_cost:g} x step/level")
+                     f"roofline {dev.name}, knee {roof.knee:.0f} tokens/pass, draft {draft_cost:g} x step/level",
+                     roof.plain_s)
 
 
 def local_device() -> str:
@@ -160,7 +193,7 @@ def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: flo
     else:
         draft, what = drafter_roofline(drafter, DEVICES[device], cache_len)
     return CostModel(roof.verify_s, draft, f"roofline {roof.device.name}, knee {roof.knee:.0f} tokens/pass, "
-                                           f"cache {cache_len}; {what}")
+                                           f"cache {cache_len}; {what}", roof.plain_s)
 
 
 def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Callable[[int, int], float], str]:

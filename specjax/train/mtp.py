@@ -2,8 +2,9 @@
 
 One training example is a token sequence t_0..t_{S-1} the target generated itself (a prompt and
 its greedy continuation). The frozen target's serving forward
-(`models.decoder.forward(..., capture=(num_layers,))`, what prefill computes) gives at every
-position p its pre-norm last hidden h_p and its next-token logits z_p. The MTP layer reads
+(`models.model.forward`, what prefill computes) gives at every position p its final-normed
+hidden h_p (the lm_head's input: what vLLM feeds DeepSeek-V3's MTP, see drafters/mtp.py) and its
+next-token logits z_p. The MTP layer reads
 (h_p, t_{p+1}) at row p and predicts t_{p+2}:
 
     step 0:  x = fc(concat(enorm(embed(t_{p+1})), hnorm(h_p)))       RoPE position p
@@ -108,21 +109,20 @@ def stored(layer: dict) -> dict:
 
 
 def target_hidden(target_params: dict, target_cfg: ModelConfig, tokens_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The target's serving forward over whole sequences: (pre-norm last hidden [B, S, H], logits [B, S, V] fp32).
+    """The target's serving forward over whole sequences: (final-normed hidden [B, S, H], logits [B, S, V] fp32).
 
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
     b, s = tokens_BS.shape
     cache = init_cache(target_cfg, b, s, per_layer=has_layer_list(target_params))
-    out_BSD, (h_BSD,), _ = forward(target_params, target_cfg, tokens_BS, cache, capture=(target_cfg.num_layers,),
-                                   attn_impl="xla")
-    return h_BSD, lm_head(target_params, target_cfg, out_BSD)
+    out_BSD, _, _ = forward(target_params, target_cfg, tokens_BS, cache, attn_impl="xla")
+    return out_BSD, lm_head(target_params, target_cfg, out_BSD)
 
 
 def unroll(head: mtp.MtpHead, h_BSD: jax.Array, next_ids_BS: jax.Array, steps: int = 1) -> list[jax.Array]:
     """The MTP layer's logits [B, S, V] (fp32) at every row for chain steps 0..steps-1.
 
-    head: the serving head (`mtp.head_of(cfg, serving_params(...))`); h_BSD[p] = the target's pre-norm
+    head: the serving head (`mtp.head_of(cfg, serving_params(...))`); h_BSD[p] = the target's final-normed
     last hidden at p, next_ids_BS[p] = t_{p+1}. Step j reads t_{p+1+j} (zeros past the end) at position
     p + j and the fed-back output of step j - 1; step 0 is what the drafter computes for its committed rows.
     """
