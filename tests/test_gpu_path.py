@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
@@ -115,3 +116,42 @@ def test_speculative_loop_lowers_for_cuda_with_the_triton_kernel(pretend_gpu, dt
     text = lowered.as_text()
     # Target verify + prefill and the drafter's passes all use the kernel.
     assert text.count(TRITON_CALL) >= 2
+
+
+def qwen35_9b_shaped(layers: int) -> ModelConfig:
+    """Qwen3.5-9B's widths (bench preset qwen35_9b) with few layers: 3 Gated DeltaNet + 1 gated attention per 4."""
+    from specjax.bench.ar import PRESETS
+
+    return ModelConfig.from_hf({**PRESETS["qwen35_9b"], "num_hidden_layers": layers}, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("tree", [None, chain(3), kary([3, 2])], ids=["plain", "mtp-chain", "draft-tree"])
+def test_hybrid_loops_lower_for_cuda_with_the_triton_kernel(pretend_gpu, tree):
+    """Qwen3.5-9B widths: the plain loop, an MTP chain and a dense draft model's tree (the DeltaNet's tree-masked
+    verify block and commit) lower for CUDA, attention through the kernel (head_dim 256)."""
+    from specjax.drafters import MtpDrafter, mtp
+    from specjax.models.state import shapes_of
+
+    cfg = qwen35_9b_shaped(layers=4)
+    lc = LoopConfig(cfg, SamplingConfig(), cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    if tree is None:
+        lowered = ar_generate.trace(abstract_params(cfg), *abstract_request(2, 64), lc=lc).lower(
+            lowering_platforms=("cuda",))
+    else:
+        settings = Settings(tree, SamplingConfig(), 256, lc.out_len)
+        if tree.is_chain:
+            mcfg = mtp.MtpConfig("qwen3_next", 1, cfg)
+            shapes = shapes_of(lambda: mtp.MtpHead(mcfg, rngs=nnx.Rngs(0)))
+            draft_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), shapes,
+                                        is_leaf=lambda x: isinstance(x, tuple))
+            drafter = MtpDrafter(mcfg, None, attn_impl="auto").configure(settings)
+        else:
+            draft_cfg = dataclasses.replace(llama3_8b_shaped(1, "bfloat16"), vocab_size=cfg.vocab_size)
+            draft_params = abstract_params(draft_cfg)
+            drafter = DraftModelDrafter(draft_cfg, None, attn_impl="auto").configure(settings)
+        lowered = spec_generate.trace(abstract_params(cfg), draft_params, *abstract_request(2, 64), lc=lc,
+                                      drafter=drafter).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert TRITON_CALL in text and "stablehlo.while" in text
+    if tree is not None:
+        assert "triangular_solve" in text  # the DeltaNet's chunked prefill / tree-masked verify block

@@ -59,8 +59,19 @@ PRESETS: dict[str, dict[str, Any]] = {
            "eos_token_id": 128001, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    # Qwen/Qwen3.5-9B's text model (transformers' Qwen3_5TextConfig defaults): 24 Gated DeltaNet + 8 gated
+    # attention layers, bf16, random weights.
+    "qwen35_9b": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+                  "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
+                  "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                      "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+                  "eos_token_id": 248044, "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1},
 }
-GPU_PRESETS = ("8b",)
+GPU_PRESETS = ("8b", "qwen35_9b")
 # Two layers, 64 wide: for tests of the benchmark scripts (seconds, not a model anyone measures).
 MICRO_PRESET = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

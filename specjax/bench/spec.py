@@ -36,17 +36,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+from flax import nnx
 
 from specjax.bench.agreement import check_agreement
 from specjax.bench.ar import GPU_PRESETS, PRESETS, machine_info, random_prompts
 from specjax.config import ModelConfig
-from specjax.drafters import DraftModelDrafter, NgramDrafter, replay_drafter
+from specjax.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter, mtp, replay_drafter
 from specjax.generate import generate
 from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import EMBEDDED_DIR
 from specjax.loading.prompts import bench_prompts
 from specjax.loading.target import load
 from specjax.models.model import init_params
+from specjax.models.state import to_params
 from specjax.models.target import Target
 
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
@@ -57,7 +59,13 @@ _LLAMA32_1B = {**PRESETS["8b"], "hidden_size": 2048, "intermediate_size": 8192, 
                "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True}
 _TINY_DRAFT = {**PRESETS["tiny20m"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 1}
-DRAFT_PRESETS: dict[str, dict[str, Any]] = {"8b": _LLAMA32_1B, "300m": PRESETS["tiny20m"], "tiny20m": _TINY_DRAFT}
+# Qwen3-0.6B's shapes on Qwen3.5's vocabulary: a dense draft model for the hybrid target.
+_QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 248320, "hidden_size": 1024,
+              "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "max_position_embeddings": 40960, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+DRAFT_PRESETS: dict[str, dict[str, Any]] = {"8b": _LLAMA32_1B, "300m": PRESETS["tiny20m"], "tiny20m": _TINY_DRAFT,
+                                            "qwen35_9b": _QWEN3_06B}
 
 # A method: given plain decoding's result at this batch, the drafter and generate() kwargs to run.
 Method = Callable[[dict], tuple[Any, dict]]
@@ -211,7 +219,20 @@ def preset_methods(target: Target, draft: DraftModelDrafter, k: int, tree: str |
     if tree:
         methods[f"draft {tree}"] = lambda base: (draft, {"tree": tree})
     methods[f"replay chain:{k} @{accept:.2f}"] = lambda base: (replay(target, base, accept), {"num_draft_tokens": k})
+    if target.cfg.is_hybrid:  # the MTP layer the hybrid checkpoints ship, random here: its cost per round
+        head = random_mtp(target)
+        methods[f"mtp chain:{k}"] = lambda base: (head, {"num_draft_tokens": k})
     return methods
+
+
+def random_mtp(target: Target, seed: int = 2) -> MtpDrafter:
+    """One random Qwen3.5-layout MTP layer on `target`, sharing its embedding and lm_head."""
+    cfg = mtp.MtpConfig("qwen3_next", 1, target.cfg)
+    params = to_params(mtp.MtpHead(cfg, rngs=nnx.Rngs(params=jax.random.key(seed))))
+    params["embed"] = target.params["embed"]
+    if "lm_head" in target.params:
+        params["lm_head"] = target.params["lm_head"]
+    return MtpDrafter(cfg, params, attn_impl=target.attn_impl)
 
 
 def checkpoint_methods(target: Target, draft_dir: str, k: int, tree: str) -> dict[str, Method]:
