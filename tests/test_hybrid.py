@@ -175,3 +175,22 @@ def test_roofline_counts_the_deltanet_state():
         assert extra == pytest.approx(batch * (3 * state + 2 * nodes * node) / bw, rel=1e-6)
     assert roof.plain_s(64) < roof.verify_s(64, 1)  # a plain step touches the state twice, a round three times
     assert hybrid_bytes(ModelConfig(16, 8, 16, 2, 2, 1, 4)) == (0.0, 0.0, 0.0)
+
+
+def test_convert_load_and_export_round_trip(pair, tmp_path):
+    """HF dir -> orbax checkpoint -> load gives the same logits; export writes a Qwen3_5ForCausalLM directory
+    (a multimodal source as its text model) that transformers loads and runs to the same logits."""
+    import transformers
+
+    from specjax.convert.export import export
+
+    layout, hf_model, target = pair
+    tokens = np.random.default_rng(3).integers(3, target.cfg.vocab_size, size=(1, 20))
+    want = hf_logits(hf_model, tokens)
+    converted = specjax.load(specjax.convert(target.path, tmp_path / "ckpt"))
+    np.testing.assert_allclose(np.asarray(converted.model(tokens, attn_impl="xla")), want, atol=LOGIT_ATOL, rtol=0)
+    exported = export(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and "text_config" not in config
+    back = transformers.Qwen3_5ForCausalLM.from_pretrained(exported).eval()
+    np.testing.assert_allclose(hf_logits(back, tokens), want, atol=LOGIT_ATOL, rtol=0)

@@ -92,4 +92,13 @@ def restore(path: Path) -> tuple[dict, dict, dict]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER} says format {meta.get('format')!r}; expected {FORMAT!r}")
     params = ocp.StandardCheckpointer().restore(path / "params")
-    return params, json.loads((path / "config.json").read_text()), meta
+    return with_layer_indices(params), json.loads((path / "config.json").read_text()), meta
+
+
+def with_layer_indices(params: dict) -> dict:
+    """Per-layer weights keyed 0, 1, ... again: orbax stores dict keys as strings, and a per-layer tree (a hybrid
+    target's, whose layers are of two kinds and never stacked) is keyed by layer index."""
+    layers = params.get("layers")
+    if isinstance(layers, dict) and layers and all(isinstance(k, str) and k.isdigit() for k in layers):
+        return {**params, "layers": {int(k): v for k, v in layers.items()}}
+    return params

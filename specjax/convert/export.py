@@ -63,6 +63,7 @@ from specjax.convert.hf import load_hf
 from specjax.convert.hf_files import LAYER_KEYS as MODEL_LAYER_KEYS
 from specjax.convert.hf_files import read_json, read_tensors, safetensors_files
 from specjax.convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
+from specjax.convert.qwen35 import hybrid_hf_tensors, text_model_config
 from specjax.drafters.dflash import BlockConfig
 from specjax.drafters.dspark import DSparkConfig
 from specjax.drafters.eagle3 import Eagle3Config
@@ -122,7 +123,9 @@ def _cast(x, dtype: str) -> np.ndarray:
 
 
 def model_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
-    """transformers' tensors ([out, in]) of a dense decoder's params (stacked or per-layer)."""
+    """transformers' tensors ([out, in]) of a decoder's params (stacked or per-layer; a hybrid's per-layer)."""
+    if cfg.is_hybrid:
+        return {name: _cast(value, dtype) for name, value in hybrid_hf_tensors(params, cfg).items()}
     per_layer = layer_list(unstack_layers(params))
     if len(per_layer) != cfg.num_layers:
         raise ValueError(f"params have {len(per_layer)} layers but config.json says {cfg.num_layers}")
@@ -162,7 +165,8 @@ def mtp_config_keys(stored: dict) -> dict[str, int]:
 
 
 def _hf_config(hf_config: dict, dtype: str, stored_mtp: dict | None) -> dict:
-    config = {k: v for k, v in hf_config.items() if k not in ("dtype", MTP_ONLY_KEY)}
+    """config.json of an export: the source's (a multimodal Qwen3.5 as its text model, whose tensors are written)."""
+    config = {k: v for k, v in text_model_config(hf_config).items() if k not in ("dtype", MTP_ONLY_KEY)}
     if stored_mtp is not None:
         config.update(mtp_config_keys(stored_mtp))
     config["torch_dtype"] = dtype

@@ -102,3 +102,33 @@ def take_hybrid_params(take: Take, tensors: dict[str, np.ndarray], cfg: ModelCon
     if not cfg.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight", shapes["lm_head"], True)
     return params
+
+
+def hybrid_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of take_hybrid_params: transformers' Qwen3_5ForCausalLM tensors ([out, in]), names under
+    `model.` (the text-only layout; a multimodal source is exported as its text model)."""
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
+    for i in range(cfg.num_layers):
+        layer, where = params["layers"][i], f"model.layers.{i}."
+        attention = cfg.layer_type(i) == "full_attention"
+        for k, (name, tr) in (ATTENTION_KEYS if attention else DELTANET_KEYS).items():
+            out[where + name] = np.asarray(layer[k]).T if tr else np.asarray(layer[k])
+        if attention:
+            out[where + GATED_Q] = join_gated_q(np.asarray(layer["wq"]), np.asarray(layer["wg"]), cfg.num_heads,
+                                                cfg.head_dim)
+        else:
+            out[where + CONV] = np.asarray(layer["conv_w"]).T[:, None, :]
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
+    return out
+
+
+def text_model_config(hf: dict) -> dict:
+    """config.json of the text model alone (Qwen3_5ForCausalLM) from either published layout."""
+    if "text_config" not in hf:
+        return hf
+    text = {k: v for k, v in hf["text_config"].items() if k != "architectures"}
+    text.update(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text")
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
