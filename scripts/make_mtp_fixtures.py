@@ -2,16 +2,23 @@
 
     python scripts/make_mtp_fixtures.py --vllm-repo /path/to/vllm --out tests/fixtures/mtp [--cases NAME ...]
 
---vllm-repo is a vLLM source tree: a git checkout, or an unpacked wheel (the deepseek2, deepseek1 and
-qwen3_next fixtures committed here came from the vllm 0.11.0 wheel's sources, qwen3_5 and mimo from
-vllm 0.33.0's). Nothing is downloaded and no vLLM code is copied into specjax; CI never runs this
-script, the tests read only what it writes.
+--vllm-repo is a vLLM source tree: a git checkout, or an unpacked wheel. All five fixtures committed
+here come from one run over the vllm 0.33.0 wheel's sources (python scripts/make_mtp_fixtures.py
+--vllm-repo <unpacked 0.33.0 files> --out tests/fixtures/mtp). Nothing is downloaded and no vLLM code
+is copied into specjax; CI never runs this script, the tests read only what it writes. An older tree
+still runs (0.11.0: deepseek2, deepseek1, qwen3_next; it has no qwen3_5_mtp.py), with that tree's
+semantics: 0.11.0's DeepSeek MTP layer returns h' alone, which is then both scored and fed back (no
+step{s}_prenorm), so its deepseek fixtures differ from these and the current tests reject them.
 
 What is ORIGINAL vLLM code, executed unchanged from the given tree:
   * vllm/model_executor/models/deepseek_mtp.py: `DeepSeekMultiTokenPredictorLayer` (embedding
     masked at position 0, enorm / hnorm, concat [embedding, hidden], eh_proj, block, residual
-    add), `DeepSeekMultiTokenPredictor` (layer = spec_step_idx % num_mtp_layers, embed_tokens,
-    compute_logits = shared_head.head(shared_head.norm(h))) and `SharedHead`.
+    add giving h'; 0.33.0 returns the pair (h', shared_head(h')), shared_head(h') =
+    shared_head.norm(h')), `DeepSeekMultiTokenPredictor` (layer = spec_step_idx %
+    num_mtp_layers, embed_tokens, compute_logits = shared_head.head(shared_head.norm(h))) and
+    `SharedHead`. The pair is used as vLLM 0.33.0's proposers use it (`model_returns_tuple`:
+    `last_hidden_states, hidden_states = model(...)`): compute_logits on the first (h', normed
+    once inside), the second (post-norm) recycled into the next draft step.
   * vllm/model_executor/models/qwen3_next_mtp.py: `Qwen3NextMultiTokenPredictor` (embedding,
     pre_fc_norm_embedding / pre_fc_norm_hidden, concat [embedding, hidden], fc, layer
     spec_step_idx % n, final `norm` with the residual) — its forward returns the post-norm
@@ -65,15 +72,26 @@ What is STUBBED (small plain-torch modules put in sys.modules before those files
         position), dense SiLU MLP.
       - mimo: `Qwen2DecoderLayer` is transformers' `Qwen2DecoderLayer` (q/k/v biases).
 
-The inputs:
-  * deepseek2, deepseek1, qwen3_next: random token ids and positions 0 .. T-1, h_prev = 2 randn.
-  * qwen3_5, mimo: driven by the target itself. A random prompt t_0 .. t_{T-1} runs through a tiny
-    transformers target (Qwen3_5ForCausalLM: 3 linear_attention + 1 full_attention layers;
-    Qwen2ForCausalLM: 2 layers); root = the target's argmax at the last position; ids = prompt[1:]
-    + [root] (row p pairs h_p with t_{p+1}); h_prev = the hidden state vLLM hands that MTP:
-    Qwen3.5 the target's post-final-norm hidden (transformers' last_hidden_state, what lm_head
-    scores); MiMo the pre-final-norm hidden (the input of model.norm: vLLM's MiMoModel returns
-    hidden + residual and applies the norm only in compute_logits).
+The inputs, in every case driven by the target itself: a random prompt t_0 .. t_{T-1} (T = 6) runs
+through a tiny transformers target (deepseek*, qwen3_next: LlamaForCausalLM, 1 layer;
+Qwen3_5ForCausalLM: 3 linear_attention + 1 full_attention layers; Qwen2ForCausalLM: 2 layers);
+root = the target's argmax at the last position; ids = prompt[1:] + [root] (row p pairs h_p with
+t_{p+1}); positions 0 .. T-1; h_prev = the hidden state vLLM hands that MTP:
+  * deepseek2, deepseek1, qwen3_next, qwen3_5: the target's post-final-norm hidden (transformers'
+    last_hidden_state, what lm_head scores): vLLM's DeepseekV2Model and Qwen3NextModel forwards
+    (Qwen3_5Model inherits the latter's) return self.norm(hidden, residual), and the proposer
+    feeds that output to the MTP.
+  * mimo: the pre-final-norm hidden (the input of model.norm: vLLM's MiMoModel returns hidden +
+    residual and applies the norm only in compute_logits).
+The driving (`drive`): step 1 is the prefill, every MTP layer j over the T rows with spec_step_idx
+j (the deepseek2 case thus prefills both layers on the target's hidden); step s > 1 is one token
+at position T + s - 2, the previous step's argmax, fed the previous step's fed-back hidden (its
+last row), through layer (s - 1) % num_mtp (MiMo: always 0, as MiMoMTP asserts). With one MTP
+layer this is the order of vLLM 0.33.0's v1/spec_decode/llm_base_proposer.py (prefill, then one
+token per step fed the recycled hidden). The two-layer schedule of deepseek2 is the one specjax
+implements, not a vLLM proposer's: llm_base_proposer passes no spec_step_idx (layer 0 every step),
+and v1/worker/gpu/spec_decode/multi_module_mtp reruns the whole shifted window through module s fed
+module s - 1's output. What each step reads and scores follows vLLM in every case.
 
 Each case directory holds
   config.json, model.safetensors   the target carrying the MTP tensors in the case's layout, as a
@@ -83,19 +101,23 @@ Each case directory holds
                                    Qwen3_5ForCausalLM target with mtp.* (mtp_num_hidden_layers 1);
                                    mimo: the Qwen2 target as MiMoForCausalLM (model_type mimo,
                                    num_nextn_predict_layers 1) with model.mtp_layers.0.*;
-  io.npz                           ids [T] (t_1 .. t_T), positions [T] (0 .. T-1), h_prev [T, H];
-                                   qwen3_5 / mimo also prompt [T] (t_0 .. t_{T-1}) and
-                                   target_logits [T, V] (the target's logits on the prompt);
-                                   for each step s: step{s}_layer (MTP layer used), step{s}_hidden
-                                   (the module's return: what vLLM feeds back), step{s}_logits;
-                                   step 1 is the prefill over the T rows (one per MTP layer in
-                                   the deepseek2 case: step1_l{j}_*), later steps one token at
-                                   position T + s - 2 fed the previous step's hidden and argmax
-                                   (step{s}_ids);
+  io.npz                           prompt [T] (t_0 .. t_{T-1}), target_logits [T, V] (the
+                                   target's logits on the prompt), ids [T] (t_1 .. t_{T-1}, root),
+                                   positions [T] (0 .. T-1), h_prev [T, H];
+                                   for each step s: step{s}_hidden = the hidden vLLM feeds the next
+                                   step (every layout: the post-final-norm output; DeepSeek: the
+                                   pair's shared_head(h'), Qwen3-Next / Qwen3.5 / MiMo: the single
+                                   return), step{s}_logits = the module's compute_logits as vLLM
+                                   calls it (DeepSeek: on h'; the others: the target's lm_head on
+                                   the return); deepseek* also step{s}_prenorm = h' (the pair's
+                                   first element). Step 1 is the prefill over the T rows, keyed
+                                   step1_l{j}_* per MTP layer j (deepseek2: l0, l1); later steps
+                                   add step{s}_ids (the token fed) and step{s}_layer;
                                    k{j}, v{j}: layer j's K/V [Hkv, rows, D] after all steps
                                    (RoPE applied, rows in the order written);
   meta.json                        versions, layout, settings, the vLLM files executed, what was
-                                   stubbed (qwen3_5 / mimo: and what h_prev is).
+                                   stubbed, what h_prev and step{s}_hidden are (qwen3_5: the dims
+                                   it overrides).
 """
 
 from __future__ import annotations
@@ -122,8 +144,10 @@ CASES = {
     "deepseek1": dict(layout="deepseek", num_mtp=1, seed=1, steps=3, rope_theta=500000.0, own_head=True),
     # Qwen3-Next / Qwen3.5 layout, one layer, reused for every step.
     "qwen3_next": dict(layout="qwen3_next", num_mtp=1, seed=2, steps=3, rope_theta=1000000.0),
-    # Qwen3.5 (mtp.*), one layer reused for every step, fed a Qwen3_5ForCausalLM target's post-norm hidden.
-    "qwen3_5": dict(layout="qwen3_5", num_mtp=1, seed=3, steps=3, rope_theta=10000000.0),
+    # Qwen3.5 (mtp.*), one layer reused for every step, fed a Qwen3_5ForCausalLM target's post-norm hidden;
+    # a narrower MLP than DIMS (five dense MLPs: keeps the directory small).
+    "qwen3_5": dict(layout="qwen3_5", num_mtp=1, seed=3, steps=3, rope_theta=10000000.0,
+                    dims={"intermediate_size": 32}),
     # MiMo (model.mtp_layers.0.*), one layer (vLLM: spec_step_idx is always 0), fed a Qwen2 target's
     # pre-norm hidden.
     "mimo": dict(layout="mimo", num_mtp=1, seed=4, steps=3, rope_theta=10000.0),
@@ -140,8 +164,27 @@ QWEN3_5_TARGET = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_va
                       linear_value_head_dim=8)
 QWEN3_5_ROPE = dict(rope_type="default", partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
 MIMO_TARGET_LAYERS = 2
-H_PREV = {"qwen3_5": "target post-norm (transformers Qwen3_5ForCausalLM last_hidden_state)",
+IR_LAYERNORM = "vllm/ir/ops/layernorm.py"  # newer trees: the native rms_norm / fused_add_rms_norm
+# What h_prev is, per layout: the hidden state vLLM 0.33.0's target model hands its MTP.
+H_PREV = {"deepseek": ("target post-norm (transformers LlamaForCausalLM last_hidden_state, the lm_head's input; "
+                       "vLLM's DeepseekV2Model.forward returns self.norm(hidden, residual))"),
+          "qwen3_next": ("target post-norm (transformers LlamaForCausalLM last_hidden_state, the lm_head's input; "
+                         "vLLM's Qwen3NextModel.forward returns self.norm(hidden, residual))"),
+          "qwen3_5": "target post-norm (transformers Qwen3_5ForCausalLM last_hidden_state)",
           "mimo": "target pre-norm (input of transformers Qwen2 model.norm)"}
+# What step{s}_hidden is (the hidden vLLM 0.33.0 feeds the next draft step), and step{s}_prenorm where saved.
+STEP_HIDDEN = {
+    "deepseek": ("step{s}_hidden = shared_head(h') = shared_head.norm(h'), the second element of "
+                 "DeepSeekMultiTokenPredictorLayer.forward's pair, recycled into the next step; step{s}_prenorm = h' "
+                 "(the first element, residual + block output); step{s}_logits = compute_logits(h') = "
+                 "shared_head.head(shared_head.norm(h'))"),
+    "qwen3_next": ("step{s}_hidden = norm(h') (Qwen3NextMultiTokenPredictor.forward's return, fed back); "
+                   "step{s}_logits = the target lm_head on it (Qwen3NextMTP.compute_logits)"),
+    "qwen3_5": ("step{s}_hidden = norm(h') (Qwen3_5MultiTokenPredictor.forward's return, fed back); "
+                "step{s}_logits = the target lm_head on it (Qwen3_5MTP.compute_logits)"),
+    "mimo": ("step{s}_hidden = final_layernorm(h') (MiMoMultiTokenPredictorLayer.forward's return, fed back); "
+             "step{s}_logits = compute_logits = the target lm_head on it"),
+}
 
 
 # ---------------------------------------------------------------- stubs for vLLM's infrastructure
@@ -214,7 +257,7 @@ def install_ir_ops(vllm_root: Path) -> bool:
     _module("vllm.ir.op", register_op=register_op)
     ops = _module("vllm.ir.ops")
     _module("vllm.ir", ops=ops, register_op=register_op)
-    path = vllm_root / "vllm/ir/ops/layernorm.py"
+    path = vllm_root / IR_LAYERNORM
     if not path.is_file():
         return False
     native = _load_original("vllm.ir.ops.layernorm", path)
@@ -265,7 +308,7 @@ def install_stubs(vllm_root: Path) -> list[str]:
     _module("vllm.model_executor.determinism.batch_invariant", rms_norm_batch_invariant=unused)
     files = ["vllm/model_executor/layers/layernorm.py"]
     if install_ir_ops(vllm_root):
-        files.append("vllm/ir/ops/layernorm.py")
+        files.append(IR_LAYERNORM)
     layernorm_py = vllm_root / "vllm/model_executor/layers/layernorm.py"
     if "ir.ops." in (layernorm_py.read_text() if layernorm_py.is_file() else "") and len(files) == 1:
         raise SystemExit("this layernorm.py computes through vllm.ir: unpack vllm/ir/ops/layernorm.py too")
@@ -507,14 +550,6 @@ def hf_tensors(module, layout: str, own_head: bool, start: int = 0) -> dict:
 # ---------------------------------------------------------------- one case per layout
 
 
-def random_inputs(gen) -> dict:
-    """deepseek* / qwen3_next: random ids t_1 .. t_T, positions 0 .. T-1, h_prev 2 randn."""
-    import torch
-
-    ids = torch.randint(3, DIMS["vocab_size"], (SEQ,), generator=gen)
-    return dict(ids=ids, positions=torch.arange(SEQ), h_prev=2.0 * torch.randn(SEQ, DIMS["hidden_size"], generator=gen))
-
-
 def target_inputs(target, gen, pre_norm: bool) -> dict:
     """Inputs from the target itself, as vLLM drives an MTP after a prefill.
 
@@ -536,7 +571,7 @@ def target_inputs(target, gen, pre_norm: bool) -> dict:
 
 
 def build_llama_case(spec: dict, mtp, gen) -> SimpleNamespace:
-    """deepseek* / qwen3_next: a one-layer Llama target, the MTP tensors of the layout, random inputs."""
+    """deepseek* / qwen3_next: a one-layer Llama target, the MTP tensors of the layout, fed its post-norm hidden."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -585,7 +620,8 @@ def build_llama_case(spec: dict, mtp, gen) -> SimpleNamespace:
     stubbed = ["parallel layers (embedding, lm head, logits processor, column-parallel linear)",
                "decoder block -> transformers LlamaDecoderLayer", "vLLM infrastructure modules"]
     return SimpleNamespace(target=target, model=model, blocks=blocks, logits_of=logits_of, step_idx=lambda s: s,
-                           inputs=random_inputs(gen), tensors=tensors, config=config, stubbed=stubbed)
+                           inputs=target_inputs(target, gen, pre_norm=False), tensors=tensors, config=config,
+                           stubbed=stubbed)
 
 
 def build_qwen3_5_case(spec: dict, mtp, gen) -> SimpleNamespace:
@@ -594,7 +630,7 @@ def build_qwen3_5_case(spec: dict, mtp, gen) -> SimpleNamespace:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     n = spec["num_mtp"]
-    target_cfg = Qwen3_5TextConfig(**DIMS, **QWEN3_5_TARGET, rope_parameters=dict(QWEN3_5_ROPE,
+    target_cfg = Qwen3_5TextConfig(**{**DIMS, **spec.get("dims", {})}, **QWEN3_5_TARGET, rope_parameters=dict(QWEN3_5_ROPE,
                                    rope_theta=spec["rope_theta"]), tie_word_embeddings=False, mtp_num_hidden_layers=n)
     torch.manual_seed(spec["seed"])
     target = Qwen3_5ForCausalLM(target_cfg).eval()
@@ -615,10 +651,10 @@ def build_qwen3_5_case(spec: dict, mtp, gen) -> SimpleNamespace:
                   mtp_num_hidden_layers=n)
     config.pop("dtype", None)
     stubbed = ["parallel layers (embedding, lm head, logits processor, column-parallel linear)",
-               "decoder block Qwen3_5DecoderLayer (full_attention) -> transformers Qwen3_5DecoderLayer "
-               "(one-layer full_attention copy of the text config, Qwen3_5TextRotaryEmbedding)",
+               ("decoder block Qwen3_5DecoderLayer (full_attention) -> transformers Qwen3_5DecoderLayer "
+                "(one-layer full_attention copy of the text config, Qwen3_5TextRotaryEmbedding)"),
                "MoE-only imports (Qwen3NextSparseMoeBlock, QwenNextMixtureOfExperts, fused shared experts -> off)",
-               "vLLM infrastructure modules (incl. the vllm.ir op registry)"]
+               "vLLM infrastructure modules"]
     return SimpleNamespace(target=target, model=model, blocks=list(model.layers), logits_of=logits_of,
                            step_idx=lambda s: s, inputs=target_inputs(target, gen, pre_norm=False),
                            tensors=hf_tensors(model, "qwen3_5", own_head=False), config=config, stubbed=stubbed)
@@ -666,41 +702,47 @@ BUILDERS = {"deepseek": build_llama_case, "qwen3_next": build_llama_case, "qwen3
             "mimo": build_mimo_case}
 
 
-def _single(out):
-    """The MTP forward's one returned hidden; newer deepseek_mtp.py trees return a pair instead."""
-    if isinstance(out, tuple):
-        raise SystemExit("this tree's MTP forward returns a tuple (newer deepseek_mtp.py: logits hidden, fed-back "
-                         "hidden); these fixtures follow the single return of vllm 0.11.0's deepseek_mtp.py")
-    return out
+def _split(out):
+    """(hidden to score, hidden fed back) of one MTP forward.
+
+    vllm 0.33.0's DeepSeekMultiTokenPredictorLayer returns the pair (h', shared_head(h')), as its
+    proposers unpack it (`model_returns_tuple`: `last_hidden_states, hidden_states = ...`); the
+    other layouts (and 0.11.0's deepseek_mtp.py) return one hidden, both scored and fed back.
+    """
+    return out if isinstance(out, tuple) else (out, out)
 
 
 def drive(case: SimpleNamespace, spec: dict) -> dict:
     """Run the MTP as vLLM's proposer does; the io.npz arrays.
 
     Step 1, the prefill: every MTP layer over the true pairs (h_p, t_{p+1}), each into its own
-    cache. Later steps s: one token at position T - 1 + s, the previous step's argmax, fed its
-    last-row hidden, spec_step_idx = case.step_idx(s) (layer = that % num_mtp).
+    cache. Later steps s + 1 (s = 1, 2, ...): one token at position T - 1 + s, the previous step's
+    argmax, fed the previous step's fed-back hidden (last row), spec_step_idx = case.step_idx(s)
+    (layer = that % num_mtp). Logits come from the hidden to score (`_split`).
     """
     import torch
 
     model, n, inp = case.model, spec["num_mtp"], case.inputs
     io = {k: v.numpy().astype(np.int32) if k in ("prompt", "ids", "positions") else v.numpy() for k, v in inp.items()}
+
+    def run(ids, pos, h, step, key):
+        out = model(ids, pos, h.clone(), spec_step_idx=step)
+        scored, fed = _split(out)
+        logits = case.logits_of(scored, step)
+        io[f"{key}_hidden"], io[f"{key}_logits"] = fed.numpy(), logits.numpy()
+        if isinstance(out, tuple):
+            io[f"{key}_prenorm"] = scored.numpy()
+        return fed, logits
+
     with torch.no_grad():
-        first = {}
-        for j in range(n):
-            hid = _single(model(inp["ids"], inp["positions"], inp["h_prev"].clone(), spec_step_idx=j))
-            first[j] = (hid, case.logits_of(hid, j))
-            io[f"step1_l{j}_hidden"], io[f"step1_l{j}_logits"] = hid.numpy(), first[j][1].numpy()
+        first = {j: run(inp["ids"], inp["positions"], inp["h_prev"], j, f"step1_l{j}") for j in range(n)}
         hid, logits = first[0][0][-1:], first[0][1][-1:]
         for s in range(1, spec["steps"]):
             tok = logits.argmax(-1)
-            pos = torch.tensor([SEQ - 1 + s])
             step = case.step_idx(s)
-            hid = _single(model(tok, pos, hid.clone(), spec_step_idx=step))
-            logits = case.logits_of(hid, step)
             io[f"step{s + 1}_ids"] = tok.numpy().astype(np.int32)
             io[f"step{s + 1}_layer"] = np.int32(step % n)
-            io[f"step{s + 1}_hidden"], io[f"step{s + 1}_logits"] = hid.numpy(), logits.numpy()
+            hid, logits = run(tok, torch.tensor([SEQ - 1 + s]), hid, step, f"step{s + 1}")
     for j, block in enumerate(case.blocks):
         io[f"k{j}"], io[f"v{j}"] = block.kv()
     return io
@@ -727,8 +769,11 @@ def run_case(name: str, spec: dict, out_dir: Path, vllm_root: Path, vllm_files: 
                 vllm_files=[f"vllm/model_executor/models/{MTP_FILES[layout]}", *vllm_files],
                 vllm_version=_vllm_version(vllm_root), torch=torch.__version__,
                 transformers=transformers.__version__, stubbed=case.stubbed)
-    if layout in H_PREV:
-        meta["h_prev"] = H_PREV[layout]
+    if IR_LAYERNORM in vllm_files:  # newer trees: the norms' math through vllm.ir
+        meta["stubbed"] = [*case.stubbed, "vllm.ir op registry (register_op -> the decorated native function)"]
+    meta.update(h_prev=H_PREV[layout], step_hidden=STEP_HIDDEN[layout])
+    if "dims" in spec:
+        meta["dims"] = spec["dims"]
     (case_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     print(f"{name}: {sorted(io)}")
 

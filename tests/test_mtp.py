@@ -1,11 +1,13 @@
 """MTP heads: parity with vLLM's MTP modules, lossless chains, conversion and its checks.
 
 The fixtures in tests/fixtures/mtp/ were written by scripts/make_mtp_fixtures.py, which runs
-vLLM's own deepseek_mtp.py / qwen3_next_mtp.py (and layernorm.py) on tiny random weights with
-the parallel layers and the inner decoder block stubbed (see the script: the block is
-transformers' LlamaDecoderLayer, as specjax's MTP block is a dense layer of the target's
-family). Each case is a tiny target checkpoint carrying the MTP tensors, read back through
-`specjax.load`, so parity covers the converter's names and layouts too.
+vLLM's own deepseek_mtp.py / qwen3_next_mtp.py / qwen3_5_mtp.py / mimo_mtp.py (and layernorm.py)
+on tiny random weights with the parallel layers and the inner decoder block stubbed (see the
+script: the block is transformers' own Llama / Qwen3.5 / Qwen2 decoder layer). Each case is a
+tiny target checkpoint (transformers' Llama, Qwen3.5 or Qwen2 = MiMo) carrying the MTP tensors,
+read back through `specjax.load`, so parity covers the converter's names and layouts too; the
+hidden state driving the MTP module is the target's own (after its final norm; MiMo before it),
+computed by transformers.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from specjax.loading.drafter import mtp_drafter
 from specjax.models.decoder import POST_NORM
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
-CASES = ("deepseek2", "deepseek1", "qwen3_next")
+CASES = ("deepseek2", "deepseek1", "qwen3_next", "qwen3_5", "mimo")
+LAYOUT = {"deepseek2": "deepseek", "deepseek1": "deepseek", "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_next",
+          "mimo": "mimo"}
 MAX_NEW = 23  # not a multiple of any round size: budgets end mid-round
 
 
@@ -97,13 +101,46 @@ def test_first_round_drafts_are_vllms(case):
 
 def test_fixture_layouts_are_read_as_stored(case):
     name, target, drafter, _ = case
-    assert drafter.cfg.layout == ("qwen3_next" if name == "qwen3_next" else "deepseek")
+    assert drafter.cfg.layout == LAYOUT[name]
     assert drafter.cfg.num_layers == (2 if name == "deepseek2" else 1)
-    assert drafter.feature_layers == (POST_NORM,)  # the lm_head's input, as vLLM feeds these layouts
+    # The lm_head's input, as vLLM feeds these layouts; MiMo's pre-norm state (drafters/mtp.py cites the files).
+    assert drafter.feature_layers == ((target.cfg.num_layers,) if name == "mimo" else (POST_NORM,))
     layer0 = drafter.params["layers"][0]
     # deepseek1 repeats the embedding (equal: not kept) and has its own head (different: kept).
     assert ("lm_head" in layer0) == (name == "deepseek1") and "embed" not in layer0
     assert drafter.params["embed"] is target.params["embed"]
+
+
+def test_drafts_from_the_targets_own_hidden_state_match_vllm(case):
+    """End to end from the prompt: specjax's target gives transformers' logits and the hidden state the layout
+    reads (h_prev, computed by transformers), and the drafter's first round drafts vLLM's tokens from vLLM's
+    logits (steps 1-3: the layer on the target's state, then on its own recycled output)."""
+    _, target, drafter, io = case
+    prompt = [int(t) for t in io["prompt"]]
+    model = target.model
+    h, (feature,), _ = model.forward(jnp.asarray([prompt], jnp.int32), model.init_cache(1, 32),
+                                     capture=drafter.feature_layers, attn_impl="xla")
+    np.testing.assert_allclose(np.asarray(model.logits(h))[0], io["target_logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(feature)[0], io["h_prev"], atol=1e-5, rtol=0)
+    ins = specjax.inspect_draft(target, drafter, prompt, num_draft_tokens=3)
+    assert ins.root == int(io["ids"][-1])
+    want = [io["step1_l0_logits"][-1], io["step2_logits"][0], io["step3_logits"][0]]
+    np.testing.assert_allclose(ins.logits, np.stack(want), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(ins.tokens, [int(io["step2_ids"][0]), int(io["step3_ids"][0]),
+                                               int(np.argmax(io["step3_logits"][0]))])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixture_targets_decode_losslessly_with_their_mtp(case, k):
+    """Every layout on its own target (Llama, Qwen3.5 hybrid, MiMo): greedy output equals plain decoding on a
+    ragged batch whose budget ends mid-round."""
+    _, target, drafter, _ = case
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, target.cfg.vocab_size, size=n).tolist() for n in (4, 11, 1)]
+    plain = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
+                           num_draft_tokens=k)
+    assert out.tokens == plain.tokens
 
 
 # ---------------------------------------------------------------- a tiny target carrying MTP tensors

@@ -11,18 +11,20 @@ Three checkpoint layouts (see convert/mtp.py for the tensor names), each run as 
 serving code runs it:
   * DeepSeek-V3 ("deepseek"): every MTP layer has its own enorm / hnorm / eh_proj /
     shared_head.norm (and optionally its own shared_head.head and embed_tokens); embedding first.
-    As vLLM and SGLang compute it, the embedding at position 0 is zeroed (`mask_position0`). The
-    hidden fed to the next draft step is h' before shared_head.norm.
+    As vLLM and SGLang compute it, the embedding at position 0 is zeroed (`mask_position0`).
   * Qwen3-Next / Qwen3.5 ("qwen3_next"): one pre_fc_norm_embedding / pre_fc_norm_hidden / fc /
     norm shared by all `mtp.layers`; embedding first; those norms are zero-centred (scale 1 + w,
-    `zero_centered`); logits use the target's lm_head. The hidden fed to the next draft step is
-    final_norm(h') (vLLM's Qwen3NextMultiTokenPredictor and Qwen3_5MultiTokenPredictor return it
-    normed). On a Qwen3.5 target the block is its gated full-attention layer.
+    `zero_centered`); logits use the target's lm_head. On a Qwen3.5 target the block is its gated
+    full-attention layer.
   * MiMo ("mimo", XiaomiMiMo/MiMo-7B: model.mtp_layers.{i}): per-layer token_layernorm /
     hidden_layernorm / input_proj / final_layernorm, the hidden FIRST in the concat, the
-    embedding zeroed at position 0, plain RMSNorms; the layer returns final_layernorm(h'), which
-    is both what the target's lm_head scores and what the next step reads
-    (vllm/model_executor/models/mimo_mtp.py, MiMoMultiTokenPredictorLayer.forward).
+    embedding zeroed at position 0, plain RMSNorms (vllm/model_executor/models/mimo_mtp.py).
+
+Every layout feeds the next draft step final_norm(h'), the normed output its logits come from:
+vLLM's Qwen3NextMultiTokenPredictor, Qwen3_5MultiTokenPredictor and MiMoMultiTokenPredictorLayer
+return it, and vLLM's DeepSeekMultiTokenPredictorLayer returns (h', shared_head(h')) and recycles the
+second ("matches SGLang's deepseek_nextn"; vllm/model_executor/models/deepseek_mtp.py, 0.33; vLLM
+0.11 recycled h').
 
 Which target hidden state h_p is (`reads_post_norm`): DeepSeek-V3, Qwen3-Next and Qwen3.5 read
 the state after the target's final norm (the lm_head's input): vLLM's target models return
@@ -108,11 +110,6 @@ class MtpConfig:
         return self.layout in ("deepseek", "mimo")
 
     @property
-    def feed_back_normed(self) -> bool:
-        """Whether the next draft step is fed final_norm(h') (Qwen3-Next, MiMo) or h' itself (DeepSeek)."""
-        return self.layout in ("qwen3_next", "mimo")
-
-    @property
     def hidden_first(self) -> bool:
         """MiMo concatenates [hidden, embedding]; the others [embedding, hidden]."""
         return self.layout == "mimo"
@@ -164,8 +161,8 @@ class MtpLayer(nnx.Module):
         return self.norm(out_BTD, self.final_norm)
 
     def feedback(self, out_BTD: jax.Array) -> jax.Array:
-        """The hidden the next draft step reads: after the final norm (Qwen3-Next) or before (DeepSeek)."""
-        return self.final_normed(out_BTD) if self.cfg.feed_back_normed else out_BTD
+        """The hidden the next draft step reads: the layer's output after its final norm (module docstring)."""
+        return self.final_normed(out_BTD)
 
 
 class MtpHead(nnx.Module):
