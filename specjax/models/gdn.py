@@ -22,6 +22,8 @@ h // (Hv / Hk), transformers' repeat_interleave) and run in fp32 at full matmul 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,6 +51,25 @@ def recurrent_step(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV):
     return jnp.einsum("bhkv,bhk->bhv", state_BHKV, q_BHK, precision=_HI), state_BHKV
 
 
+def unit_lower_inverse(a_BTT: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., T, T]: with N = -A nilpotent (N^T = 0), the inverse
+    is (I + N)(I + N^2)(I + N^4)... over ceil(log2 T) factors, all powers of one N, so they commute.
+
+    Matmuls only (no triangular-solve custom call), so its gradient is matmuls too: with
+    `lax.linalg.triangular_solve` here, a jitted gradient of the model never returned on its second call
+    under XLA:CPU's multi-threaded Eigen (it ran with --xla_cpu_multi_thread_eigen=false). The results
+    match transformers' triangular solve to 2e-6 (tests/test_gdn.py).
+    """
+    t = a_BTT.shape[-1]
+    eye = jnp.eye(t, dtype=a_BTT.dtype)
+    power = -a_BTT
+    inverse = eye + power
+    for _ in range(max(0, math.ceil(math.log2(max(t, 2))) - 1)):
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_HI)
+        inverse = jnp.einsum("...ij,...jk->...ik", inverse, eye + power, precision=_HI)
+    return inverse
+
+
 def _ut_parts(q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT, mask_BTT):
     """The state-independent half of a block: (u, w, decayed q, intra-block scores, cumulative decay).
 
@@ -63,10 +84,10 @@ def _ut_parts(q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT, mask_BTT):
     strict_BTT = mask_BTT & ~jnp.eye(t, dtype=jnp.bool_)
     kk_BHTT = jnp.einsum("...ik,...jk->...ij", k_BHTK, k_BHTK, precision=_HI)
     a_BHTT = jnp.where(strict_BTT, beta_BHT[..., :, None] * kk_BHTT * decay_BHTT, 0.0)
-    system_BHTT = a_BHTT + jnp.eye(t, dtype=jnp.float32)
-    rhs = jnp.concatenate([v_BHTV * beta_BHT[..., None], k_BHTK * (beta_BHT * jnp.exp(cum_BHT))[..., None]], -1)
-    solved = lax.linalg.triangular_solve(system_BHTT, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u_BHTV, w_BHTK = solved[..., :v_BHTV.shape[-1]], solved[..., v_BHTV.shape[-1]:]
+    inverse_BHTT = unit_lower_inverse(a_BHTT)
+    u_BHTV = jnp.einsum("...ij,...jv->...iv", inverse_BHTT, v_BHTV * beta_BHT[..., None], precision=_HI)
+    w_BHTK = jnp.einsum("...ij,...jk->...ik", inverse_BHTT, k_BHTK * (beta_BHT * jnp.exp(cum_BHT))[..., None],
+                        precision=_HI)
     qd_BHTK = q_BHTK * jnp.exp(cum_BHT)[..., None]
     intra_BHTT = jnp.einsum("...ik,...jk->...ij", q_BHTK, k_BHTK, precision=_HI) * decay_BHTT
     return u_BHTV, w_BHTK, qd_BHTK, intra_BHTT, cum_BHT

@@ -68,10 +68,10 @@ from flax import nnx
 from specjax.config import ModelConfig, RopeConfig
 from specjax.drafters import dflash, dspark
 from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables
-from specjax.models.cache import KVCache, init_cache
-from specjax.models.decoder import has_layer_list, run_layers
+from specjax.models.cache import KVCache
+from specjax.models.decoder import run_layers
 from specjax.models.layers import rms_norm, rope_inv_freq
-from specjax.models.model import forward, lm_head
+from specjax.models.model import forward, lm_head, merge
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
 
@@ -227,7 +227,7 @@ def target_taps_and_logits(target_params: dict, target_cfg: ModelConfig, tokens_
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
     b, s = tokens_BS.shape
-    cache = init_cache(target_cfg, b, s, per_layer=has_layer_list(target_params))
+    cache = merge(target_cfg, target_params).init_cache(b, s)  # a KV cache, or a hybrid target's
     h_BSD, taps, _ = forward(target_params, target_cfg, tokens_BS, cache, capture=tuple(feature_layers),
                              attn_impl="xla")
     return taps, lm_head(target_params, target_cfg, h_BSD)

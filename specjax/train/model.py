@@ -45,8 +45,14 @@ def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, captu
     around causal attention under `lax.scan`. `capture` follows the decoder's numbering: i <
     num_layers is the residual stream entering layer i, i = num_layers the last layer's output
     before the final norm (what EAGLE-3, MTP and DFlash heads read). `remat` recomputes each layer
-    in the backward pass to save memory.
+    in the backward pass to save memory. A hybrid (Qwen3.5) trains through its serving forward with a
+    fresh cache (the chunked delta rule; `remat` does not apply).
     """
+    if cfg.is_hybrid:
+        model = merge(cfg, params)
+        h_BTD, captured, _ = model.forward(tokens_BT, model.init_cache(*tokens_BT.shape), capture=capture,
+                                           attn_impl="xla")
+        return h_BTD, captured
     model = merge(cfg, with_layout(params, per_layer=False))
     graph, stacked = nnx.split(model.layers)
     b, t = tokens_BT.shape

@@ -60,10 +60,8 @@ from specjax.config import ModelConfig
 from specjax.convert.export import NP_DTYPES, write_hf_dir
 from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
 from specjax.drafters import mtp
-from specjax.models.cache import init_cache
-from specjax.models.decoder import has_layer_list
 from specjax.models.layers import rope_inv_freq
-from specjax.models.model import forward, lm_head
+from specjax.models.model import forward, lm_head, merge
 from specjax.models.state import to_params
 from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
 from specjax.train.losses import LossFn
@@ -74,17 +72,18 @@ __all__ = ["OBJECTIVES", "head_config", "init_layer", "mtp_loss", "sequence_batc
            "target_hidden", "unroll"]
 
 
-def head_config(target: ModelConfig) -> mtp.MtpConfig:
-    """The MtpConfig of one DeepSeek-V3-layout MTP layer on `target` (its block is one of the target's layers)."""
-    return mtp.MtpConfig(layout="deepseek", num_layers=1, target=target)
+def head_config(target: ModelConfig, layout: str = "deepseek") -> mtp.MtpConfig:
+    """The MtpConfig of one MTP layer on `target` (its block is one of the target's layers): the DeepSeek-V3
+    layout, or "qwen3_next" (the layout Qwen3.5 ships, zero-centred fuse norms)."""
+    return mtp.MtpConfig(layout=layout, num_layers=1, target=target)
 
 
-def init_layer(target: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
+def init_layer(target: ModelConfig, key: jax.Array, scale: float = 0.02, layout: str = "deepseek") -> dict:
     """Trainable params of one MTP layer (an MtpLayer's): {embed_norm, hidden_norm, fc [2H, H], final_norm, block}.
 
-    Matrices normal(0, scale), norms ones (the block is initialised as the decoder initialises a layer).
+    Matrices normal(0, scale), norms at identity (the block is initialised as the decoder initialises a layer).
     """
-    return to_params(mtp.MtpLayer(head_config(target), rngs=nnx.Rngs(params=key), scale=scale))
+    return to_params(mtp.MtpLayer(head_config(target, layout), rngs=nnx.Rngs(params=key), scale=scale))
 
 
 def serving_params(layer: dict, frozen: dict) -> dict:
@@ -103,8 +102,11 @@ def frozen_params(target_params: dict, target_cfg: ModelConfig) -> dict:
     return frozen
 
 
-def stored(layer: dict) -> dict:
-    """The stored (converted) form of a trained layer: what `Target.mtp` / `convert.mtp.read_mtp` hold."""
+def stored(layer: dict, layout: str = "deepseek") -> dict:
+    """The stored (converted) form of a trained layer: what `Target.mtp` / `convert.mtp.read_mtp` hold
+    (the Qwen3-Next / Qwen3.5 layout keeps the fuse modules at the top, shared by its layers)."""
+    if layout == "qwen3_next":
+        return {**{k: v for k, v in layer.items() if k != "block"}, "layers": {"0": {"block": layer["block"]}}}
     return {"layers": {"0": layer}}
 
 
@@ -114,7 +116,7 @@ def target_hidden(target_params: dict, target_cfg: ModelConfig, tokens_BS: jax.A
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
     b, s = tokens_BS.shape
-    cache = init_cache(target_cfg, b, s, per_layer=has_layer_list(target_params))
+    cache = merge(target_cfg, target_params).init_cache(b, s)  # a KV cache, or a hybrid target's
     out_BSD, _, _ = forward(target_params, target_cfg, tokens_BS, cache, attn_impl="xla")
     return out_BSD, lm_head(target_params, target_cfg, out_BSD)
 
