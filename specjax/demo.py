@@ -6,7 +6,9 @@ bf16/fp16: near-ties may flip, so the match rate and first divergence are report
 a table of tau, speedup, tokens/s and agreement. Before it, two continuations sampled through
 the speculative loop (lossless: the target's own distribution, a fixed seed), the tokens each
 round accepted highlighted: a 4M-parameter model's greedy text falls into loops, its sampled
-text reads as code (scripts/demo_quality.py measures both on held-out prompts).
+text reads as code (scripts/demo_quality.py measures both on held-out prompts). Then the embedded
+hybrid (checkpoints/tiny/hybrid: a Qwen3.5-style target of Gated DeltaNet and gated attention layers
+with the MTP layer it carries) gets the same check and table.
 """
 
 from __future__ import annotations
@@ -108,6 +110,20 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
     for row, prompt in enumerate(PROMPTS[:SHOWN_ROWS]):
         console.print(Text(prompt, style="bold") + highlighted(target, shown, row))
         console.print()
+    rows += method_rows(target, plain, methods, max_new_tokens)
+    console.print(results_table(rows, str(target.cfg.dtype)))
+    console.print("Highlighted: drafted tokens the target accepted (one shade per round); plain: the target's own "
+                  "token ending each round. The table is greedy decoding, every method checked against plain "
+                  "decoding on all prompts. Speedups are this machine's; on a CPU verifying many tokens is not free.")
+    hybrid_dir = Path(target_dir).parent / "hybrid"
+    if methods_like is None and (hybrid_dir / "config.json").is_file():
+        hybrid_demo(hybrid_dir, draft_dir, max_new_tokens, num_draft_tokens, console, dtype)
+    return rows
+
+
+def method_rows(target: Target, plain: GenerateOutput, methods: dict[str, dict], max_new_tokens: int) -> list[dict]:
+    """One table row per method: greedy decoding of PROMPTS, checked against `plain` (compile run, then timed run)."""
+    rows = []
     for name, kwargs in methods.items():
         first = generate(target, PROMPTS, max_new_tokens=max_new_tokens, **kwargs)
         out = generate(target, PROMPTS, max_new_tokens=max_new_tokens, **kwargs)
@@ -115,10 +131,28 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
         rows.append(dict(method=name, tau=out.stats["acceptance_length"], tokens_per_s=out.stats["tokens_per_s"],
                          speedup=out.stats["tokens_per_s"] / plain.stats["tokens_per_s"],
                          compile_s=first.stats["compile_s"], **agreement.as_dict()))
+    return rows
+
+
+def hybrid_demo(hybrid_dir: Path, draft_dir: Path, max_new_tokens: int, num_draft_tokens: int, console: Console,
+                dtype: str | None) -> list[dict]:
+    """The embedded hybrid with its own MTP layer and the dense draft model (same tokenizer): the table's rows."""
+    target = load(hybrid_dir, dtype=dtype)
+    mtp = load_drafter(hybrid_dir, target)
+    methods = {"MTP (its own layer), chain of 1": dict(drafter=mtp, num_draft_tokens=1),
+               "MTP (its own layer), chain of 3": dict(drafter=mtp, num_draft_tokens=3),
+               f"draft model, chain of {num_draft_tokens}": dict(drafter=load_drafter(draft_dir, target),
+                                                                 num_draft_tokens=num_draft_tokens),
+               f"n-gram, chain of {num_draft_tokens}": dict(drafter=NgramDrafter(), num_draft_tokens=num_draft_tokens)}
+    kinds = ", ".join(f"{target.cfg.layer_types.count(k)} {k.replace('_', ' ')}" for k in sorted(set(target.cfg.layer_types)))
+    console.rule(f"hybrid target (Qwen3.5-style: {kinds} layers), {target.cfg.num_params() / 1e6:.1f}M params, "
+                 f"{target.cfg.dtype}")
+    generate(target, PROMPTS, max_new_tokens=max_new_tokens)  # compile
+    plain = generate(target, PROMPTS, max_new_tokens=max_new_tokens)
+    rows = [dict(method="plain decoding", tau=1.0, tokens_per_s=plain.stats["tokens_per_s"], speedup=1.0,
+                 compile_s=None, match_rate=1.0, first_divergence=None)]
+    rows += method_rows(target, plain, methods, max_new_tokens)
     console.print(results_table(rows, str(target.cfg.dtype)))
-    console.print("Highlighted: drafted tokens the target accepted (one shade per round); plain: the target's own "
-                  "token ending each round. The table is greedy decoding, every method checked against plain "
-                  "decoding on all prompts. Speedups are this machine's; on a CPU verifying many tokens is not free.")
     return rows
 
 

@@ -37,3 +37,16 @@ def test_demo_in_bf16_reports_agreement_instead_of_raising():
         assert 0.0 <= row["match_rate"] <= 1.0 and "first_divergence" in row, row
     shown = console.file.getvalue()
     assert "bfloat16: agreement with plain greedy decoding measured" in shown and "match" in shown
+
+
+def test_hybrid_demo_matches_plain_decoding_and_its_mtp_layer_drafts():
+    """The embedded hybrid (Qwen3.5-style) with the MTP layer it carries: every method equals plain decoding."""
+    from specjax.demo import EMBEDDED, hybrid_demo
+
+    console = Console(file=io.StringIO(), width=120)
+    rows = hybrid_demo(EMBEDDED / "hybrid", EMBEDDED / "draft", 16, 4, console, None)
+    assert [r["method"] for r in rows][:3] == ["plain decoding", "MTP (its own layer), chain of 1",
+                                               "MTP (its own layer), chain of 3"]
+    assert all(r["match_rate"] == 1.0 and r["first_divergence"] is None for r in rows)
+    assert rows[2]["tau"] > 1.5  # the shipped MTP layer really drafts
+    assert "linear attention" in console.file.getvalue()

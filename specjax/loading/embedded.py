@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_NAMES = ("target", "draft", "eagle3", "mtp", "dflash", "dspark")
+EMBEDDED_NAMES = ("target", "draft", "eagle3", "mtp", "dflash", "dspark", "hybrid")
 
 
 def _embedded_dir() -> Path:
@@ -23,7 +23,8 @@ EMBEDDED_DIR = _embedded_dir()
 
 def embedded(name: str = "target") -> Path:
     """The directory of a shipped tiny model: "target" (the 3.95M-parameter code model), or a drafter trained for
-    it: "draft" (a draft model), "eagle3", "mtp", "dflash", "dspark". Pass it to specjax.load / load_drafter."""
+    it: "draft" (a draft model), "eagle3", "mtp", "dflash", "dspark"; or "hybrid" (a Qwen3.5-style target carrying its
+    own MTP layer). Pass it to specjax.load / load_drafter."""
     if name not in EMBEDDED_NAMES:
         raise ValueError(f"no embedded model {name!r}; the shipped ones are {', '.join(EMBEDDED_NAMES)}")
     path = EMBEDDED_DIR / name
