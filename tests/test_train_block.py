@@ -36,7 +36,7 @@ from specjax.train.tiny import llama_hf_config
 S = 24
 ANCHORS = (3, 9, 14)
 TINY = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny"
-BUDGET = 25_000_000  # bytes: checkpoints/ in all
+BUDGET = 40_000_000  # bytes: checkpoints/ in all (the brief's limit; issue 18 let the embedded hybrid take it from 25 MB)
 
 
 @pytest.fixture(scope="module")
