@@ -64,6 +64,9 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
     if "off" in (num_draft_tokens, tree):
         _other_unset(num_draft_tokens, tree, "off", "'off' runs the plain loop")
+        if scheduler is not None:
+            raise ValueError(f"scheduler={scheduler!r} chooses how much of each draft to verify, but 'off' drafts "
+                             "nothing (the plain loop): drop scheduler=, or give num_draft_tokens=K")
         return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len,
                       {"plan": {"shape": "off", "kind": "off", "requested": True}})
     if "auto" in (num_draft_tokens, tree) and scheduler is not None:

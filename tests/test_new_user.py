@@ -50,6 +50,8 @@ def test_off_runs_the_plain_loop(target, draft, plain, kwargs):
 def test_off_with_a_shape_is_refused(target, draft):
     with pytest.raises(ValueError, match="'off' runs the plain loop"):
         specjax.generate(target, PROMPTS, drafter=draft, num_draft_tokens="off", tree="kary:2,1")
+    with pytest.raises(ValueError, match="'off' drafts nothing"):  # not silently ignored
+        specjax.generate(target, PROMPTS, drafter=draft, num_draft_tokens="off", scheduler="confidence")
 
 
 # ---------------------------------------------------------------- defect 2: plan's roofline for every family
