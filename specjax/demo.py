@@ -101,8 +101,7 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
                   f"tokens per prompt")
     generate(target, PROMPTS, max_new_tokens=max_new_tokens)  # compile
     plain = generate(target, PROMPTS, max_new_tokens=max_new_tokens)
-    rows = [dict(method="plain decoding", tau=1.0, tokens_per_s=plain.stats["tokens_per_s"], speedup=1.0,
-                 compile_s=None, match_rate=1.0, first_divergence=None)]
+    rows = [plain_row(plain)]
     show_name, show_kwargs = next(iter(methods.items()))
     shown = generate(target, PROMPTS[:SHOWN_ROWS], max_new_tokens=max_new_tokens, **show_kwargs, **SHOW_SAMPLING)
     console.rule(f"{show_name}, sampled (temperature {SHOW_SAMPLING['temperature']}, top_p "
@@ -119,6 +118,12 @@ def run_demo(target_dir: Path = EMBEDDED / "target", draft_dir: Path = EMBEDDED 
     if methods_like is None and (hybrid_dir / "config.json").is_file():
         hybrid_demo(hybrid_dir, draft_dir, max_new_tokens, num_draft_tokens, console, dtype)
     return rows
+
+
+def plain_row(plain: GenerateOutput) -> dict:
+    """The table's first row: plain decoding, the reference every method is checked and timed against."""
+    return dict(method="plain decoding", tau=1.0, tokens_per_s=plain.stats["tokens_per_s"], speedup=1.0,
+                compile_s=None, match_rate=1.0, first_divergence=None)
 
 
 def method_rows(target: Target, plain: GenerateOutput, methods: dict[str, dict], max_new_tokens: int) -> list[dict]:
@@ -149,8 +154,7 @@ def hybrid_demo(hybrid_dir: Path, draft_dir: Path, max_new_tokens: int, num_draf
                  f"{target.cfg.dtype}")
     generate(target, PROMPTS, max_new_tokens=max_new_tokens)  # compile
     plain = generate(target, PROMPTS, max_new_tokens=max_new_tokens)
-    rows = [dict(method="plain decoding", tau=1.0, tokens_per_s=plain.stats["tokens_per_s"], speedup=1.0,
-                 compile_s=None, match_rate=1.0, first_divergence=None)]
+    rows = [plain_row(plain)]
     rows += method_rows(target, plain, methods, max_new_tokens)
     console.print(results_table(rows, str(target.cfg.dtype)))
     return rows

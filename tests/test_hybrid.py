@@ -116,7 +116,7 @@ def test_vision_tower_is_skipped_once_and_media_tokens_refused(tmp_path, caplog)
         specjax.generate(target, [[5, 6, 7, 8]], max_new_tokens=2)
 
 
-def test_stacked_layout_is_refused(pair, tmp_path):
+def test_stacked_layout_is_refused(pair):
     *_, target = pair
     with pytest.raises(ValueError, match="hybrid target.*per-layer"):
         specjax.load(target.path, layout="stacked")
@@ -143,9 +143,11 @@ def test_module_declares_named_axes():
 
     cfg = ModelConfig.from_hf(SMALL)
     layer = GatedDeltaNetLayer(cfg, rngs=nnx.Rngs(0))
-    for path, var in nnx.iter_graph(layer):
-        if isinstance(var, nnx.Param):
-            assert len(var.out_sharding) == var[...].ndim, path
+    params = [(path, var) for path, var in nnx.iter_graph(layer) if isinstance(var, nnx.Param)]
+    assert len(params) == len(jax.tree.leaves(nnx.state(layer))) == 14  # every weight is an annotated Param
+    for path, var in params:
+        assert len(var.out_sharding) == var[...].ndim, path
+    assert {a for _, var in params for a in var.out_sharding} <= {"embed", "conv", "v_heads", "mlp", None}
 
 
 def qwen35_9b() -> ModelConfig:

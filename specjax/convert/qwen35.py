@@ -14,27 +14,16 @@ from typing import Callable
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.convert.hf_files import LAYER_KEYS
 from specjax.models.model import param_shapes
 
 PREFIXES = ("model.", "model.language_model.")
 VISION_PREFIX = "model.visual."
 
-# specjax key -> (name inside the layer, transpose?) for keys taken as stored
-_SHARED = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
-ATTENTION_KEYS = {
-    **_SHARED,
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-}
+# specjax key -> (name inside the layer, transpose?) for keys taken as stored: the dense layer's names
+# (hf_files.LAYER_KEYS) where Qwen3.5 uses them, the DeltaNet's own below.
+_SHARED = {k: LAYER_KEYS[k] for k in ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down")}
+ATTENTION_KEYS = {**_SHARED, **{k: LAYER_KEYS[k] for k in ("wk", "wv", "wo", "q_norm", "k_norm")}}
 GATED_Q = "self_attn.q_proj.weight"
 DELTANET_KEYS = {
     **_SHARED,

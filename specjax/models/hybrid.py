@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.models.cache import HybridCache, NodeResults, init_cache
+from specjax.models.cache import HybridCache, KVCache, NodeResults, init_cache
 from specjax.models.decoder import POST_NORM, Decoder, DecoderLayer, PreNormMLP
 from specjax.models.gdn import (
     chunked_rule,
@@ -182,7 +182,7 @@ class HybridDecoder(Decoder):
         captured[cfg.num_layers] = h_BTD
         out_BTD = rms_norm(h_BTD, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         captured[POST_NORM] = out_BTD
-        new_cache = HybridCache(type(cache.kv)(tuple(ks), tuple(vs), lengths_B), tuple(convs), tuple(states),
+        new_cache = HybridCache(KVCache(tuple(ks), tuple(vs), lengths_B), tuple(convs), tuple(states),
                                 tuple(nodes) if provisional else None)
         return out_BTD, tuple(captured[i] for i in capture), new_cache
 
