@@ -5,7 +5,8 @@ transformers (`rope_theta`, `rope_scaling`) or newer ones (`rope_parameters`), a
 refuses any field this code does not implement instead of silently ignoring it.
 Qwen3.5 (a hybrid: Gated DeltaNet and gated full-attention layers) is read from both of
 its published layouts: `Qwen3_5ForCausalLM` (flat) and `Qwen3_5ForConditionalGeneration`
-(the text model's fields nested in `text_config`).
+(the text model's fields nested in `text_config`). Mixture-of-experts targets (Qwen3-MoE, Qwen3.5-MoE,
+Qwen3-Next) carry a `MoeConfig`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ _ARCHITECTURES = {
     # (transformers/models/qwen3_5/modeling_qwen3_5.py).
     "Qwen3_5ForCausalLM": dict(family="qwen3_5", qkv_bias=False, qk_norm=True),
     "Qwen3_5ForConditionalGeneration": dict(family="qwen3_5", qkv_bias=False, qk_norm=True),
+    # Mixture-of-experts: Qwen3's decoder with sparse MLPs (transformers/models/qwen3_moe/modeling_qwen3_moe.py),
+    # Qwen3.5's hybrid with a routed + shared-expert MLP in every layer (qwen3_5_moe/modeling_qwen3_5_moe.py), and
+    # Qwen3-Next: the same hybrid with fused DeltaNet projections (qwen3_next/modeling_qwen3_next.py).
+    "Qwen3MoeForCausalLM": dict(family="qwen3_moe", qkv_bias=None, qk_norm=True),
+    "Qwen3_5MoeForCausalLM": dict(family="qwen3_5_moe", qkv_bias=False, qk_norm=True),
+    "Qwen3_5MoeForConditionalGeneration": dict(family="qwen3_5_moe", qkv_bias=False, qk_norm=True),
+    "Qwen3NextForCausalLM": dict(family="qwen3_next", qkv_bias=False, qk_norm=True),
 }
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("full_attention", "linear_attention")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -68,6 +78,32 @@ class LinearAttnConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP's shape: `num_experts` SwiGLU experts of width `expert_size`, `top_k` routed per token
+    (softmax over all experts, then the top k, renormalised to sum 1 when `norm_topk_prob`), optionally a
+    shared expert of width `shared_size` scaled by sigmoid(x @ shared_gate) (Qwen3.5-MoE, Qwen3-Next).
+
+    sparse_layers: the layers whose MLP is this MoE (the others are dense SwiGLU of the model's
+    `intermediate_size`): transformers' rule, layer i is sparse unless it is in `mlp_only_layers`, when
+    (i + 1) % decoder_sparse_step == 0.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool = True
+    shared_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[int, ...] = ()
+    impl: str = "auto"  # the expert path (models/moe.py): "auto" by tokens per pass, "gather" or "sorted"
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts a pass of `tokens` tokens reads in one sparse layer under uniform routing:
+        E (1 - (1 - k/E)^n) (each expert is missed by a token with probability 1 - k/E)."""
+        e, k = self.num_experts, self.top_k
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of one decoder: dense (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) or hybrid (Qwen3.5).
 
@@ -100,10 +136,21 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
     norm_offset: bool = False
+    moe: MoeConfig | None = None
 
     @property
     def is_hybrid(self) -> bool:
         return self.linear is not None
+
+    def is_sparse(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts."""
+        return self.moe is not None and i in self.moe.sparse_layers
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Layers of more than one kind (a hybrid; an MoE model with dense layers): no one stacked layer to scan,
+        so the layers run per-layer."""
+        return self.is_hybrid or (self.moe is not None and len(self.moe.sparse_layers) not in (0, self.num_layers))
 
     @property
     def rotary_dim(self) -> int:
@@ -123,21 +170,34 @@ class ModelConfig:
         """Indices of the Gated DeltaNet layers (the ones with a conv and a recurrent state)."""
         return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
-    def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    def num_params(self, active: bool = False) -> int:
+        """Every weight; active=True: the weights one token reads (its k routed experts, not all E)."""
+        d, v = self.hidden_size, self.vocab_size
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        mlp = 3 * d * f + 2 * d
         attn = d * (qd * (2 if self.attn_output_gate else 1) + 2 * kvd) + qd * d
         attn += (qd + 2 * kvd) if self.qkv_bias else 0
         attn += 2 * self.head_dim if self.qk_norm else 0
-        total = len(self.attention_layers) * (attn + mlp)
+        mixer = attn
         if self.linear is not None:
             lin = self.linear
             mixer = d * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads) + lin.value_dim * d
             mixer += lin.conv_dim * lin.conv_kernel + 2 * lin.num_value_heads + lin.value_head_dim
-            total += len(self.linear_layers) * (mixer + mlp)
+        total = 0
+        for i in range(self.num_layers):
+            mixes = attn if self.layer_type(i) == "full_attention" else mixer
+            total += mixes + d + self.mlp_params(i, active)  # + d: the layer's input norm
         head = 0 if self.tie_word_embeddings else d * v
         return v * d + total + d + head
+
+    def mlp_params(self, i: int, active: bool = False) -> int:
+        """Layer i's MLP half with its norm: dense SwiGLU, or router + experts (+ shared expert and its gate)."""
+        d = self.hidden_size
+        if not self.is_sparse(i):
+            return 3 * d * self.intermediate_size + d
+        moe = self.moe
+        experts = moe.top_k if active else moe.num_experts
+        shared = 3 * d * moe.shared_size + d if moe.shared_size else 0
+        return d * moe.num_experts + experts * 3 * d * moe.expert_size + shared + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
@@ -164,7 +224,9 @@ class ModelConfig:
         return cls(
             vocab_size=_require(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_require(hf, "intermediate_size"),
+            # Qwen3.5-MoE has no dense MLP (every layer is sparse): its config has no intermediate_size.
+            intermediate_size=hf.get("intermediate_size", 0) if arch["family"] == "qwen3_5_moe"
+            else _require(hf, "intermediate_size"),
             num_layers=_require(hf, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -180,7 +242,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             family=arch["family"],
             dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"),
-            **(_hybrid_fields(hf) if arch["family"] == "qwen3_5" else {}),
+            **(_hybrid_fields(hf) if arch["family"] in HYBRID_FAMILIES else {}),
+            moe=_moe_fields(hf, arch["family"]) if arch["family"] in MOE_FAMILIES else None,
         )
 
 
@@ -194,6 +257,35 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
+
+
+def _moe_fields(hf: dict[str, Any], family: str) -> MoeConfig:
+    """The sparse MLP of a Qwen MoE config. Qwen3.5-MoE: every layer sparse, always renormalised (its router has
+    no norm_topk_prob switch); Qwen3-MoE / Qwen3-Next: `decoder_sparse_step` and `mlp_only_layers` pick the
+    sparse layers. `num_local_experts` is transformers 5's saved name for `num_experts`."""
+    n = _require(hf, "num_hidden_layers")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("config.json lacks required field 'num_experts' (or 'num_local_experts')")
+    top_k = _require(hf, "num_experts_per_tok")
+    if not 0 < top_k <= experts:
+        raise ValueError(f"config.json 'num_experts_per_tok' is {top_k}; it must be in 1..num_experts ({experts})")
+    if family == "qwen3_5_moe":
+        sparse, norm_topk = tuple(range(n)), True
+    else:
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+        if step < 1:
+            raise ValueError(f"config.json 'decoder_sparse_step' is {step}; it must be >= 1")
+        sparse = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+        norm_topk = bool(hf.get("norm_topk_prob", family == "qwen3_next"))
+    shared = int(hf.get("shared_expert_intermediate_size", 0)) if family != "qwen3_moe" else 0
+    if family != "qwen3_moe" and not shared:
+        raise ValueError(f"config.json lacks 'shared_expert_intermediate_size': a {family} MoE layer has a shared "
+                         "expert")
+    if len(sparse) < n and not hf.get("intermediate_size"):
+        raise ValueError("config.json lacks 'intermediate_size', which its dense (mlp_only_layers) layers need")
+    return MoeConfig(num_experts=int(experts), top_k=int(top_k), expert_size=_require(hf, "moe_intermediate_size"),
+                     norm_topk_prob=norm_topk, shared_size=shared, sparse_layers=sparse)
 
 
 def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -246,9 +338,9 @@ def _refuse_unsupported(hf: dict[str, Any], family: str) -> None:
         raise ValueError(f"config.json 'hidden_act' is {act!r}; specjax implements only 'silu' (SwiGLU)")
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("config.json 'pretraining_tp' != 1 is not supported")
-    if family == "qwen3_5":  # its layer_types are read by _hybrid_fields
+    if family in HYBRID_FAMILIES:  # its layer_types are read by _hybrid_fields
         if hf.get("attention_bias"):
-            raise ValueError("config.json 'attention_bias' is true; Qwen3.5 in specjax has no attention biases "
+            raise ValueError(f"config.json 'attention_bias' is true; {family} in specjax has no attention biases "
                              "(as the published checkpoints): set it false")
         return
     layer_types = hf.get("layer_types")

@@ -100,3 +100,65 @@ def build_qwen35(layout: str = "causal_lm", seed: int = 0, **overrides):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+# Mixture-of-experts: 8 experts, 2 per token, narrow experts. The router is drawn wider than the other matrices
+# so the top-2 choice has clear margins (a near-tie decided by float noise would route a token differently).
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+QWEN3_MOE = dict(**BASE, **MOE, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, decoder_sparse_step=1,
+                 mlp_only_layers=[1], norm_topk_prob=False)
+QWEN35_MOE_TEXT = {**{k: v for k, v in QWEN35_TEXT.items() if k != "intermediate_size"}, **MOE,
+                   "shared_expert_intermediate_size": 48}
+QWEN3_NEXT = {**QWEN35_TEXT, **MOE, "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1,
+              "mlp_only_layers": [2], "norm_topk_prob": True}
+QWEN3_NEXT["rope_parameters"] = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)
+
+
+def build_moe(arch: str, layout: str = "causal_lm", seed: int = 0, forced_expert: bool = False, **overrides):
+    """A tiny random MoE target: arch "qwen3_moe" (Qwen3MoeForCausalLM, layer 1 dense), "qwen3_5_moe"
+    (Qwen3_5MoeForCausalLM, or layout "conditional": Qwen3_5MoeForConditionalGeneration with a vision tower) or
+    "qwen3_next" (Qwen3NextForCausalLM, layer 2 dense).
+
+    forced_expert: every token of every prompt routes to expert 0 and none to the last expert (the embedding
+    carries a large constant on dim 0 and each router scores expert 0 by +dim 0, the last by -dim 0).
+    """
+    import transformers
+
+    if arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **overrides}))
+    elif arch == "qwen3_next":
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **overrides}))
+    elif layout == "causal_lm":
+        text = transformers.Qwen3_5MoeTextConfig(**{**QWEN35_MOE_TEXT, **overrides})
+        model = transformers.Qwen3_5MoeForCausalLM(text)
+    else:
+        text = {**QWEN35_MOE_TEXT, **overrides}
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=QWEN35_VISION,
+                                               tie_word_embeddings=text["tie_word_embeddings"])
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    zero_centred = arch != "qwen3_moe"
+    torch.manual_seed(seed)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_attn.norm" in name or ("norm" in name and not zero_centred):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "A_log" in name or "dt_bias" in name or "conv1d" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(3.0 * torch.randn_like(p) / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(0.5 * torch.randn_like(p) / p.shape[-1] ** 0.5)
+        if forced_expert:
+            for name, p in model.named_parameters():
+                if name.endswith("embed_tokens.weight"):
+                    p[:, 0] = 20.0
+                elif name.endswith("mlp.gate.weight"):
+                    p[0, 0], p[-1, 0] = 3.0, -3.0
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

@@ -118,7 +118,7 @@ def test_vision_tower_is_skipped_once_and_media_tokens_refused(tmp_path, caplog)
 
 def test_stacked_layout_is_refused(pair):
     *_, target = pair
-    with pytest.raises(ValueError, match="hybrid target.*per-layer"):
+    with pytest.raises(ValueError, match="layers differ.*per-layer"):
         specjax.load(target.path, layout="stacked")
 
 

@@ -62,6 +62,7 @@ from specjax.convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
 from specjax.convert.hf import load_hf
 from specjax.convert.hf_files import LAYER_KEYS as MODEL_LAYER_KEYS
 from specjax.convert.hf_files import read_json, read_tensors, safetensors_files
+from specjax.convert.moe import moe_hf_tensors
 from specjax.convert.mtp import MTP_ONLY_KEY, is_mtp_only, mtp_hf_tensors, read_mtp_only_dir
 from specjax.convert.qwen35 import hybrid_hf_tensors, text_model_config
 from specjax.drafters.dflash import BlockConfig
@@ -133,6 +134,10 @@ def model_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.nd
                "model.norm.weight": _cast(params["final_norm"], dtype)}
     for i, p in enumerate(per_layer):
         for key, value in p.items():
+            if key == "moe":  # Qwen3-MoE publishes one tensor per expert
+                moe = moe_hf_tensors(value, f"model.layers.{i}.", fused=False)
+                tensors.update({name: _cast(t, dtype) for name, t in moe.items()})
+                continue
             if key not in MODEL_LAYER_KEYS:
                 raise ValueError(f"layer {i} has a parameter '{key}' with no Hugging Face name")
             name, transpose = MODEL_LAYER_KEYS[key]

@@ -24,10 +24,12 @@ import logging
 import re
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.convert.moe import take_moe
 from specjax.convert.mtp import read_mtp
 from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
 from specjax.models.model import param_shapes
@@ -88,11 +90,12 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
 
     if cfg.is_hybrid:
         return take_hybrid_params(take, tensors, cfg), used
-    layers = {}
-    for key, shape in shapes["layers"].items():
-        hf_name, transpose = LAYER_KEYS[key]
-        layers[key] = np.stack([take(f"model.layers.{i}.{hf_name}", shape[1:], transpose)
-                                for i in range(cfg.num_layers)])
+    if cfg.mixed_layers:  # dense and sparse layers (mlp_only_layers): per-layer shapes
+        layers = {i: take_layer(take, tensors, f"model.layers.{i}.", shapes["layers"][i]) for i in range(cfg.num_layers)}
+    else:
+        one = jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=lambda x: isinstance(x, tuple))
+        per_layer = [take_layer(take, tensors, f"model.layers.{i}.", one) for i in range(cfg.num_layers)]
+        layers = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
     params = {
         "embed": take("model.embed_tokens.weight", shapes["embed"], False),
         "layers": layers,
@@ -101,6 +104,14 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
     if not cfg.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight", shapes["lm_head"], True)
     return params, used
+
+
+def take_layer(take, tensors: dict[str, np.ndarray], prefix: str, shapes: dict) -> dict[str, np.ndarray]:
+    """One dense-family decoder layer's params (its MLP dense or, with `moe` in shapes, sparse)."""
+    layer = {k: take(prefix + LAYER_KEYS[k][0], s, LAYER_KEYS[k][1]) for k, s in shapes.items() if k != "moe"}
+    if "moe" in shapes:
+        layer["moe"] = take_moe(take, tensors, prefix, shapes["moe"])
+    return layer
 
 
 def unaccounted_tensors(tensors: dict[str, np.ndarray], used: set[str], cfg: ModelConfig) -> list[str]:

@@ -39,21 +39,42 @@ from specjax.models.layers import (
     rope_inv_freq,
     swiglu,
 )
+from specjax.models.moe import MoeMLP
 
 POST_NORM = -1  # a `capture` entry: the final-normed hidden state (the lm_head's input)
 
 
 class PreNormMLP:
-    """What every layer kind shares: this config's RMSNorm and the pre-norm SwiGLU MLP half
-    (weights mlp_norm, w_gate, w_up, w_down)."""
+    """What every layer kind shares: this config's RMSNorm and the pre-norm MLP half: weights mlp_norm and
+    either a dense SwiGLU (w_gate, w_up, w_down) or a mixture of experts (`moe`, models/moe.py)."""
 
     def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
         """RMSNorm by this config's convention (zero-centred for Qwen3.5)."""
         return rms_norm(x, weight[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
+    def init_mlp(self, cfg: ModelConfig, sparse: bool, rngs: nnx.Rngs, scale: float, lead=((), ())) -> None:
+        """Declare the MLP half's weights: a dense SwiGLU, or the MoE when `sparse`."""
+        shape, axes = lead
+        d, f, dtype = cfg.hidden_size, cfg.intermediate_size, jnp.dtype(cfg.dtype)
+        fill = jnp.zeros if cfg.norm_offset else jnp.ones  # a norm's identity: 1, or 0 when zero-centred
+        self.mlp_norm = param(fill(shape + (d,), dtype), *axes, "embed")
+        if sparse:
+            self.moe = MoeMLP(cfg, rngs=rngs, scale=scale, lead=lead)
+            self.w_gate = self.w_up = self.w_down = None
+            return
+        self.moe = None
+
+        def weight(dims, *names):
+            return param(normal(rngs, shape + dims, dtype, scale), *axes, *names)
+
+        self.w_gate, self.w_up, self.w_down = weight((d, f), "embed", "mlp"), weight((d, f), "embed", "mlp"), \
+            weight((f, d), "mlp", "embed")
+
     def mlp(self, h_BTD: jax.Array) -> jax.Array:
-        """The MLP half: residual + SwiGLU of the pre-normed stream."""
+        """The MLP half: residual + SwiGLU (or the MoE) of the pre-normed stream."""
         x_BTD = self.norm(h_BTD, self.mlp_norm)
+        if self.moe is not None:
+            return h_BTD + self.moe(x_BTD)
         return h_BTD + swiglu(x_BTD, self.w_gate[...], self.w_up[...], self.w_down[...])
 
 
@@ -63,12 +84,13 @@ class DecoderLayer(PreNormMLP, nnx.Module):
     in_features: the attention input's width (hidden size; an EAGLE-3 head's 2H concat). Without
     input_norm the layer has no attn_norm: its caller builds the normed input (EAGLE-3, DFlash).
     stacked=L: every weight gets a leading "layers" axis; L layers in one module, run by `run_layers`.
+    sparse: the MLP half is the config's mixture of experts.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, in_features: int | None = None, input_norm: bool = True,
-                 stacked: int | None = None, scale: float = 0.02):
+                 stacked: int | None = None, scale: float = 0.02, sparse: bool = False):
         self.cfg = cfg
-        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        d, hd = cfg.hidden_size, cfg.head_dim
         x = in_features or d
         qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
         lead = () if stacked is None else (stacked,)
@@ -94,9 +116,7 @@ class DecoderLayer(PreNormMLP, nnx.Module):
         self.bq, self.bk, self.bv = (zeros(qd, "heads"), zeros(kvd, "kv_heads"), zeros(kvd, "kv_heads")) \
             if cfg.qkv_bias else (None, None, None)
         self.q_norm, self.k_norm = (ones(hd, None), ones(hd, None)) if cfg.qk_norm else (None, None)
-        self.mlp_norm = ones(d, "embed")
-        self.w_gate, self.w_up = weight((d, f), "embed", "mlp"), weight((d, f), "embed", "mlp")
-        self.w_down = weight((f, d), "mlp", "embed")
+        self.init_mlp(cfg, sparse, rngs, scale, (lead, lead_axis))
 
     def gate_output(self, o_BTHD: jax.Array, x_BTX: jax.Array) -> jax.Array:
         """Attention output times sigmoid(x @ wg) (Qwen3.5's output gate, from the same normed input as q);
@@ -186,9 +206,13 @@ class Decoder(nnx.Module):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(normal(rngs, (v, d), dtype, scale), "vocab", "embed")
         if per_layer:
-            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, scale=scale) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, scale=scale, sparse=cfg.is_sparse(i))
+                                    for i in range(cfg.num_layers)])
+        elif cfg.mixed_layers:
+            raise ValueError(f"a {cfg.family} model whose layers differ (dense and sparse MLPs) runs per-layer "
+                             "weights: layout='per_layer'")
         else:
-            self.layers = DecoderLayer(cfg, rngs=rngs, stacked=cfg.num_layers, scale=scale)
+            self.layers = DecoderLayer(cfg, rngs=rngs, stacked=cfg.num_layers, scale=scale, sparse=cfg.is_sparse(0))
         self.final_norm = param(jnp.ones((d,), dtype), "embed")
         self.lm_head = None if cfg.tie_word_embeddings else param(normal(rngs, (d, v), dtype, scale), "embed", "vocab")
 

@@ -47,10 +47,10 @@ class GatedDeltaNetLayer(PreNormMLP, nnx.Module):
     out_norm [dv] (a plain RMSNorm weight, not zero-centred), w_out [Hv dv, D].
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, scale: float = 0.02):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, scale: float = 0.02, sparse: bool = False):
         self.cfg = cfg
         lin = cfg.linear
-        d, f, dtype = cfg.hidden_size, cfg.intermediate_size, jnp.dtype(cfg.dtype)
+        d, dtype = cfg.hidden_size, jnp.dtype(cfg.dtype)
 
         def weight(shape, *axes):
             return param(normal(rngs, shape, dtype, scale), *axes)
@@ -68,9 +68,7 @@ class GatedDeltaNetLayer(PreNormMLP, nnx.Module):
         self.A_log = param(jnp.log(jnp.linspace(1.0, 16.0, lin.num_value_heads)).astype(dtype), "v_heads")
         self.out_norm = param(jnp.ones((lin.value_head_dim,), dtype), None)
         self.w_out = weight((lin.value_dim, d), "v_heads", "embed")
-        self.mlp_norm = zeros(d, "embed")
-        self.w_gate, self.w_up = weight((d, f), "embed", "mlp"), weight((d, f), "embed", "mlp")
-        self.w_down = weight((f, d), "mlp", "embed")
+        self.init_mlp(cfg, sparse, rngs, scale)
 
     def inputs(self, mixed_BTC: jax.Array, x_BTD: jax.Array, valid_BT: jax.Array | None):
         """After the conv: fp32 q (normed, scaled), k (normed) on the value heads, v, decay g and beta."""
@@ -137,8 +135,8 @@ class HybridDecoder(Decoder):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(normal(rngs, (v, d), dtype, scale), "vocab", "embed")
         self.layers = nnx.List([
-            DecoderLayer(cfg, rngs=rngs, scale=scale) if cfg.layer_type(i) == "full_attention"
-            else GatedDeltaNetLayer(cfg, rngs=rngs, scale=scale) for i in range(cfg.num_layers)])
+            (DecoderLayer if cfg.layer_type(i) == "full_attention" else GatedDeltaNetLayer)(
+                cfg, rngs=rngs, scale=scale, sparse=cfg.is_sparse(i)) for i in range(cfg.num_layers)])
         self.final_norm = param(jnp.zeros((d,), dtype), "embed")
         self.lm_head = None if cfg.tie_word_embeddings else param(normal(rngs, (d, v), dtype, scale), "embed", "vocab")
 

@@ -30,14 +30,14 @@ def model_class(cfg: ModelConfig) -> type[Decoder]:
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The expected shape of every parameter (stacked layout; per-layer for a hybrid): the contract conversion
-    checks against."""
-    return shapes_of(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0), per_layer=cfg.is_hybrid))
+    """The expected shape of every parameter (stacked layout; per-layer when the layers differ, `mixed_layers`):
+    the contract conversion checks against."""
+    return shapes_of(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0), per_layer=cfg.mixed_layers))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, per_layer: bool = False) -> dict:
     """Random params (normal(0, scale) matrices, identity norms, zero biases): for tests, benchmarks, training."""
-    per_layer = per_layer or cfg.is_hybrid
+    per_layer = per_layer or cfg.mixed_layers
     return to_params(model_class(cfg)(cfg, rngs=nnx.Rngs(params=key), per_layer=per_layer, scale=scale))
 
 

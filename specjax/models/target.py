@@ -27,7 +27,7 @@ class Target:
     mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
 
     def __post_init__(self):
-        self.params = serving_layout(self.params, self.layout, hybrid=self.cfg.is_hybrid)
+        self.params = serving_layout(self.params, self.layout, mixed=self.cfg.mixed_layers)
 
     @property
     def model(self) -> Decoder:
@@ -72,7 +72,7 @@ def format_count(n: int) -> str:
 LAYOUTS = ("auto", "stacked", "per_layer")
 
 
-def serving_layout(params: dict, layout: str = "auto", hybrid: bool = False) -> dict:
+def serving_layout(params: dict, layout: str = "auto", mixed: bool = False) -> dict:
     """The layer layout the loops run: per-layer arrays and KV buffers, or stacked layers under `lax.scan`.
 
     "auto": per-layer on CPU (XLA CPU copies a layer out of a stacked array: 3x the memory
@@ -81,9 +81,10 @@ def serving_layout(params: dict, layout: str = "auto", hybrid: bool = False) -> 
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if hybrid:  # two kinds of layer: no single stacked layer to scan
+    if mixed:  # layers of two kinds (a hybrid; dense and sparse MLPs): no single stacked layer to scan
         if layout == "stacked":
-            raise ValueError("a hybrid target (Qwen3.5) runs per-layer weights: pass layout='auto' or 'per_layer'")
+            raise ValueError("a target whose layers differ (a hybrid such as Qwen3.5, or an MoE with dense layers) "
+                             "runs per-layer weights: pass layout='auto' or 'per_layer'")
         layout = "per_layer"
     if layout == "auto":
         layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"

@@ -1,0 +1,69 @@
+"""A sparse MLP's tensors (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) <-> the `moe` params of models/moe.py.
+
+Inside a layer (`{prefix}` = "model.layers.{i}." or an MTP block's prefix), torch [out, in]:
+    mlp.gate.weight [E, D]                                   the router
+    experts, in one of the two published forms:
+      per expert (Qwen3-30B-A3B, Qwen3-Next; what transformers 5 saves for those):
+        mlp.experts.{j}.gate_proj.weight / up_proj.weight [I, D], down_proj.weight [D, I]
+      fused (Qwen3.5-MoE; transformers 5's in-memory layout):
+        mlp.experts.gate_up_proj [E, 2I, D] (gate rows first, then up), mlp.experts.down_proj [E, D, I]
+    with a shared expert (Qwen3.5-MoE, Qwen3-Next):
+        mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, D]
+specjax keeps router [D, E], w_gate / w_up [E, D, I], w_down [E, I, D], shared_* [in, out].
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected specjax shape, transpose) -> array
+
+ROUTER = "mlp.gate.weight"
+FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+SHARED = {"shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
+          "shared_down": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight"}
+
+
+def expert_name(j: int, proj: str) -> str:
+    return f"mlp.experts.{j}.{proj}_proj.weight"
+
+
+def is_fused(tensors: dict, prefix: str) -> bool:
+    """Whether the experts under `prefix` are stored fused (one [E, ...] tensor per projection)."""
+    return f"{prefix}{FUSED_GATE_UP}" in tensors
+
+
+def take_moe(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
+    """The `moe` params of one sparse layer from either expert form; `shapes` is that layer's moe shapes."""
+    e, d, i = shapes["w_gate"]
+    moe = {"router": take(prefix + ROUTER, shapes["router"], True)}
+    if is_fused(tensors, prefix):
+        gate_up = take(prefix + FUSED_GATE_UP, (e, 2 * i, d), False).transpose(0, 2, 1)
+        moe["w_gate"], moe["w_up"] = gate_up[..., :i], gate_up[..., i:]
+        moe["w_down"] = take(prefix + FUSED_DOWN, (e, d, i), False).transpose(0, 2, 1)
+    else:
+        for key, proj in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
+            moe[key] = np.stack([take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)])
+    for key, name in SHARED.items():
+        if key in shapes:
+            moe[key] = take(prefix + name, shapes[key], True)
+    return moe
+
+
+def moe_hf_tensors(moe: dict, prefix: str, fused: bool) -> dict[str, np.ndarray]:
+    """The inverse of take_moe: one sparse layer's tensors in the per-expert or the fused form."""
+    out = {prefix + ROUTER: np.asarray(moe["router"]).T}
+    gate, up, down = (np.asarray(moe[k]) for k in ("w_gate", "w_up", "w_down"))
+    if fused:
+        out[prefix + FUSED_GATE_UP] = np.concatenate([gate, up], axis=-1).transpose(0, 2, 1)
+        out[prefix + FUSED_DOWN] = down.transpose(0, 2, 1)
+    else:
+        for j in range(gate.shape[0]):
+            for proj, w in (("gate", gate), ("up", up), ("down", down)):
+                out[prefix + expert_name(j, proj)] = w[j].T
+    for key, name in SHARED.items():
+        if key in moe:
+            out[prefix + name] = np.asarray(moe[key]).T
+    return out

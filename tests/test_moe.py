@@ -1,0 +1,208 @@
+"""Mixture-of-experts targets against transformers on tiny random checkpoints: Qwen3-MoE (a dense layer among
+sparse ones), Qwen3.5-MoE (both published layouts, fused experts, a shared expert) and Qwen3-Next (hybrid + MoE,
+fused DeltaNet projections): logits, greedy generation on ragged batches, routing corner cases, both expert
+paths, both expert storage forms, export round trips, the configs' rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from hf_tiny import build_moe, save_hf_model
+from safetensors.numpy import load_file, save_file
+
+import specjax
+from specjax.config import ModelConfig
+from specjax.models.model import merge
+
+LOGIT_ATOL = 1e-4
+ARCHS = [("qwen3_moe", "causal_lm"), ("qwen3_5_moe", "causal_lm"), ("qwen3_5_moe", "conditional"),
+         ("qwen3_next", "causal_lm")]
+IDS = ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe-conditional", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=IDS)
+def pair(request, tmp_path_factory):
+    """(arch, transformers model, specjax target loaded from its saved directory)."""
+    arch, layout = request.param
+    hf_model = build_moe(arch, layout)
+    return arch, hf_model, specjax.load(save_hf_model(hf_model, tmp_path_factory.mktemp(arch)))
+
+
+def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def with_path(cfg: ModelConfig, impl: str) -> ModelConfig:
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))
+
+
+def hf_routed_experts(hf_model, tokens: np.ndarray, top_k: int) -> list[np.ndarray]:
+    """Per sparse layer, the experts transformers routes each token to ([B x T, k]), from its router logits."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor(tokens), output_router_logits=True)
+    return [torch.topk(logits.float(), top_k, dim=-1).indices.numpy() for logits in out.router_logits]
+
+
+def test_config_reads_the_moe(pair):
+    arch, _, target = pair
+    cfg = target.cfg
+    moe = cfg.moe
+    assert cfg.family == arch and (moe.num_experts, moe.top_k, moe.expert_size) == (8, 2, 32)
+    dense = {"qwen3_moe": (1,), "qwen3_5_moe": (), "qwen3_next": (2,)}[arch]
+    assert moe.sparse_layers == tuple(i for i in range(cfg.num_layers) if i not in dense)
+    assert moe.shared_size == (0 if arch == "qwen3_moe" else 48)
+    assert moe.norm_topk_prob == (arch != "qwen3_moe")
+    assert cfg.num_params() == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.params))
+    assert cfg.num_params(active=True) < cfg.num_params()
+
+
+@pytest.mark.parametrize("t", [5, 70])
+def test_logits_match_transformers(pair, t):
+    """Logits within 1e-4 on a batch of two (70 tokens: two DeltaNet chunks), by the auto path and both paths."""
+    _, hf_model, target = pair
+    tokens = np.random.default_rng(t).integers(3, target.cfg.vocab_size, size=(2, t))
+    ref = hf_logits(hf_model, tokens)
+    assert np.abs(ref).max() > 5
+    np.testing.assert_allclose(np.asarray(target.model(tokens, attn_impl="xla")), ref, atol=LOGIT_ATOL, rtol=0)
+    for impl in ("gather", "sorted"):
+        ours = merge(with_path(target.cfg, impl), target.params)(tokens, attn_impl="xla")
+        np.testing.assert_allclose(np.asarray(ours), ref, atol=LOGIT_ATOL, rtol=0, err_msg=impl)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    """64 tokens on a ragged batch (prompts of 3, 37 and 70 tokens), each row against transformers' generate."""
+    _, hf_model, target = pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, target.cfg.vocab_size, size=n).tolist() for n in (3, 37, 70)]
+    out = specjax.generate(target, prompts, max_new_tokens=64, eos_token_id=[])
+    for prompt, tokens in zip(prompts, out.tokens):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
+    assert all(len(set(t)) > 16 for t in out.tokens)
+
+
+def test_routing_corner_cases(pair):
+    """A 3-token prompt leaves experts without a token in every sparse layer (6 slots, 8 experts): the grouped
+    matmul's empty groups give transformers' logits."""
+    arch, hf_model, target = pair
+    short = np.asarray([[5, 17, 9]])
+    for experts in hf_routed_experts(hf_model, short, 2):
+        assert len(set(experts.ravel())) < 8
+    np.testing.assert_allclose(np.asarray(target.model(short, attn_impl="xla")), hf_logits(hf_model, short),
+                               atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+def test_every_token_on_one_expert(arch, tmp_path):
+    """A router that sends every token to expert 0 and none to expert 7: logits by both paths and the greedy
+    continuation match transformers'."""
+    hf_model = build_moe(arch, forced_expert=True)
+    target = specjax.load(save_hf_model(hf_model, tmp_path / arch))
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(3, target.cfg.vocab_size, size=(2, 24))
+    for experts in hf_routed_experts(hf_model, tokens, 2):
+        assert (experts == 0).any(axis=-1).all() and not (experts == 7).any()
+    ref = hf_logits(hf_model, tokens)
+    for impl in ("gather", "sorted"):
+        ours = merge(with_path(target.cfg, impl), target.params)(tokens, attn_impl="xla")
+        np.testing.assert_allclose(np.asarray(ours), ref, atol=LOGIT_ATOL, rtol=0, err_msg=impl)
+    prompt = tokens[0, :9].tolist()
+    out = specjax.generate(target, [prompt], max_new_tokens=24, eos_token_id=[])
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens[0] == want
+
+
+def test_fused_and_per_expert_tensors_load_the_same(tmp_path):
+    """Qwen3-MoE as transformers saves it (one tensor per expert) and re-saved with fused expert tensors
+    ([E, 2I, D] gate_up_proj, [E, D, I] down_proj, the layout Qwen3.5-MoE publishes)."""
+    hf_model = build_moe("qwen3_moe")
+    path = save_hf_model(hf_model, tmp_path / "per_expert")
+    tensors = load_file(path / "model.safetensors")
+    fused = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." not in name:
+            fused[name] = t
+    for i in specjax.load(path).cfg.moe.sparse_layers:
+        p = f"model.layers.{i}.mlp.experts."
+        gate = np.stack([tensors[f"{p}{j}.gate_proj.weight"] for j in range(8)])
+        up = np.stack([tensors[f"{p}{j}.up_proj.weight"] for j in range(8)])
+        fused[f"{p}gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        fused[f"{p}down_proj"] = np.stack([tensors[f"{p}{j}.down_proj.weight"] for j in range(8)])
+    (tmp_path / "fused").mkdir()
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    (tmp_path / "fused" / "config.json").write_text((path / "config.json").read_text())
+    a, b = specjax.load(path), specjax.load(tmp_path / "fused")
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    del fused["model.layers.0.mlp.experts.down_proj"]
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    with pytest.raises(ValueError, match="mlp.experts.down_proj"):
+        specjax.load(tmp_path / "fused")
+
+
+def test_convert_load_and_export_round_trip(pair, tmp_path):
+    """HF dir -> orbax checkpoint -> load gives the same logits; export writes the text model in its family's
+    layout that transformers loads to the same logits."""
+    import transformers
+
+    from specjax.convert.export import export
+
+    arch, hf_model, target = pair
+    tokens = np.random.default_rng(3).integers(3, target.cfg.vocab_size, size=(1, 20))
+    want = hf_logits(hf_model, tokens)
+    converted = specjax.load(specjax.convert(target.path, tmp_path / "ckpt"))
+    np.testing.assert_allclose(np.asarray(converted.model(tokens, attn_impl="xla")), want, atol=LOGIT_ATOL, rtol=0)
+    exported = export(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    cls = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+           "qwen3_next": "Qwen3NextForCausalLM"}[arch]
+    assert config["architectures"] == [cls] and "text_config" not in config
+    back = getattr(transformers, cls).from_pretrained(exported).eval()
+    np.testing.assert_allclose(hf_logits(back, tokens), want, atol=LOGIT_ATOL, rtol=0)
+
+
+BASE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=16, hidden_size=8, intermediate_size=16,
+            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=4)
+
+
+def test_sparse_layer_rules_and_errors():
+    """transformers' rule: layer i sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0."""
+    assert ModelConfig.from_hf({**BASE, "decoder_sparse_step": 2}).moe.sparse_layers == (1, 3)
+    assert ModelConfig.from_hf({**BASE, "mlp_only_layers": [0, 3]}).moe.sparse_layers == (1, 2)
+    uniform = ModelConfig.from_hf(BASE)
+    assert uniform.moe.sparse_layers == (0, 1, 2, 3) and not uniform.mixed_layers
+    assert ModelConfig.from_hf({**BASE, "mlp_only_layers": [0]}).mixed_layers
+    assert ModelConfig.from_hf({**{k: v for k, v in BASE.items() if k != "num_experts"},
+                                "num_local_experts": 4}).moe.num_experts == 4
+    with pytest.raises(ValueError, match="num_experts_per_tok.*1..num_experts"):
+        ModelConfig.from_hf({**BASE, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_hf({k: v for k, v in BASE.items() if k != "num_experts"})
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_hf({**BASE, "architectures": ["Qwen3NextForCausalLM"], "linear_num_key_heads": 1,
+                             "linear_num_value_heads": 1, "linear_key_head_dim": 4, "linear_value_head_dim": 4})
+
+
+def test_stacked_layout_runs_uniform_moe_and_refuses_mixed(tmp_path):
+    """All layers sparse: the stacked (accelerator) layout scans them and gives the per-layer logits; a dense
+    layer among them: stacked is refused."""
+    hf_model = build_moe("qwen3_moe", mlp_only_layers=[])
+    path = save_hf_model(hf_model, tmp_path / "uniform")
+    tokens = np.random.default_rng(6).integers(3, 256, size=(2, 12))
+    stacked = specjax.load(path, layout="stacked")
+    np.testing.assert_allclose(np.asarray(stacked.model(tokens, attn_impl="xla")), hf_logits(hf_model, tokens),
+                               atol=LOGIT_ATOL, rtol=0)
+    mixed = save_hf_model(build_moe("qwen3_moe"), tmp_path / "mixed")
+    with pytest.raises(ValueError, match="layers differ.*per-layer"):
+        specjax.load(mixed, layout="stacked")
