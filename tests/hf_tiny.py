@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -162,3 +163,27 @@ def build_moe(arch: str, layout: str = "causal_lm", seed: int = 0, forced_expert
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def fuse_expert_tensors(tensors: dict) -> dict:
+    """Per-expert tensors (what transformers 5 saves) -> the fused form Qwen3.5-MoE publishes: per layer
+    mlp.experts.gate_up_proj [E, 2I, D] (gate rows, then up) and mlp.experts.down_proj [E, D, I]."""
+    import re
+
+    out = {k: v for k, v in tensors.items() if not re.search(r"\.mlp\.experts\.\d+\.", k)}
+    prefixes = sorted({m.group(1) for k in tensors if (m := re.match(r"(.*\.mlp\.experts\.)\d+\.", k))})
+    for p in prefixes:
+        n = len({k for k in tensors if k.startswith(p) and k.endswith("down_proj.weight")})
+        gate = np.stack([tensors[f"{p}{j}.gate_proj.weight"] for j in range(n)])
+        up = np.stack([tensors[f"{p}{j}.up_proj.weight"] for j in range(n)])
+        out[f"{p}gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        out[f"{p}down_proj"] = np.stack([tensors[f"{p}{j}.down_proj.weight"] for j in range(n)])
+    return out
+
+
+def save_fused_experts(path: Path) -> Path:
+    """Rewrite a saved MoE checkpoint's model.safetensors with fused expert tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    save_file(fuse_expert_tensors(load_file(path / "model.safetensors")), str(path / "model.safetensors"))
+    return path

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from hf_tiny import build_moe, save_hf_model
+from hf_tiny import build_moe, fuse_expert_tensors, save_fused_experts, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import specjax
@@ -30,7 +30,10 @@ def pair(request, tmp_path_factory):
     """(arch, transformers model, specjax target loaded from its saved directory)."""
     arch, layout = request.param
     hf_model = build_moe(arch, layout)
-    return arch, hf_model, specjax.load(save_hf_model(hf_model, tmp_path_factory.mktemp(arch)))
+    path = save_hf_model(hf_model, tmp_path_factory.mktemp(arch))
+    if arch == "qwen3_5_moe":  # as Qwen3.5-MoE publishes its experts (transformers 5 saves them per expert)
+        save_fused_experts(path)
+    return arch, hf_model, specjax.load(path)
 
 
 def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
@@ -127,17 +130,8 @@ def test_fused_and_per_expert_tensors_load_the_same(tmp_path):
     ([E, 2I, D] gate_up_proj, [E, D, I] down_proj, the layout Qwen3.5-MoE publishes)."""
     hf_model = build_moe("qwen3_moe")
     path = save_hf_model(hf_model, tmp_path / "per_expert")
-    tensors = load_file(path / "model.safetensors")
-    fused = {}
-    for name, t in tensors.items():
-        if ".mlp.experts." not in name:
-            fused[name] = t
-    for i in specjax.load(path).cfg.moe.sparse_layers:
-        p = f"model.layers.{i}.mlp.experts."
-        gate = np.stack([tensors[f"{p}{j}.gate_proj.weight"] for j in range(8)])
-        up = np.stack([tensors[f"{p}{j}.up_proj.weight"] for j in range(8)])
-        fused[f"{p}gate_up_proj"] = np.concatenate([gate, up], axis=1)
-        fused[f"{p}down_proj"] = np.stack([tensors[f"{p}{j}.down_proj.weight"] for j in range(8)])
+    fused = fuse_expert_tensors(load_file(path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and "model.layers.0.mlp.experts.0.up_proj.weight" not in fused
     (tmp_path / "fused").mkdir()
     save_file(fused, tmp_path / "fused" / "model.safetensors")
     (tmp_path / "fused" / "config.json").write_text((path / "config.json").read_text())

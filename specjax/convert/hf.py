@@ -28,8 +28,7 @@ import jax
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
-from specjax.convert.moe import take_moe
+from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
 from specjax.convert.mtp import read_mtp
 from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
 from specjax.models.model import param_shapes
@@ -104,14 +103,6 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
     if not cfg.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight", shapes["lm_head"], True)
     return params, used
-
-
-def take_layer(take, tensors: dict[str, np.ndarray], prefix: str, shapes: dict) -> dict[str, np.ndarray]:
-    """One dense-family decoder layer's params (its MLP dense or, with `moe` in shapes, sparse)."""
-    layer = {k: take(prefix + LAYER_KEYS[k][0], s, LAYER_KEYS[k][1]) for k, s in shapes.items() if k != "moe"}
-    if "moe" in shapes:
-        layer["moe"] = take_moe(take, tensors, prefix, shapes["moe"])
-    return layer
 
 
 def unaccounted_tensors(tensors: dict[str, np.ndarray], used: set[str], cfg: ModelConfig) -> list[str]:

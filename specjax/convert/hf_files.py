@@ -12,6 +12,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from specjax.convert.moe import take_moe
+
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 # specjax layer key -> (Hugging Face name inside model.layers.{i}, transpose?)
@@ -31,6 +33,14 @@ LAYER_KEYS = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+
+
+def take_layer(take, tensors: dict[str, np.ndarray], prefix: str, shapes: dict) -> dict[str, np.ndarray]:
+    """One dense-family decoder layer's params (its MLP dense or, with `moe` in shapes, sparse)."""
+    layer = {k: take(prefix + LAYER_KEYS[k][0], s, LAYER_KEYS[k][1]) for k, s in shapes.items() if k != "moe"}
+    if "moe" in shapes:
+        layer["moe"] = take_moe(take, tensors, prefix, shapes["moe"])
+    return layer
 
 
 def read_hf_config(model_dir: Path) -> dict:

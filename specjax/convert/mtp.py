@@ -24,8 +24,10 @@ Three layouts (torch [out, in] weights; H = the target's hidden size, V its voca
   the same prefix (vllm/model_executor/models/mimo_mtp.py maps them to its mtp_block).
   config.json: num_nextn_predict_layers.
 
-specjax's MTP block is a dense decoder layer of the target's family, so every block tensor
-must have the shape of one of the target's layers (MLA / MoE blocks are refused by name).
+specjax's MTP block is a full-attention decoder layer of the target's family, so every block tensor
+must have the shape of one of the target's layers; on an MoE target a block with a router
+(`mlp.gate.weight`) has the target's experts (convert/moe.py; Qwen3.5-MoE: fused, 19 tensors per
+layer). MLA blocks are refused by name.
 Stored form (`params["mtp"]` of a converted checkpoint, `Target.mtp`), [in, out] matrices:
   deepseek, mimo: {"layers": {"0": {embed_norm, hidden_norm, fc [2H, H], final_norm, block {...},
                                     optionally embed [V, H], lm_head [H, V]}, "1": ...}}
@@ -40,10 +42,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
+from specjax.convert.moe import ROUTER, moe_hf_tensors
 from specjax.convert.qwen35 import GATED_Q, join_gated_q, take_attention_layer
 from specjax.drafters.mtp import layer_shapes
 
@@ -58,9 +62,9 @@ def _layer_keys() -> dict:
     return LAYER_KEYS
 
 
-def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer of the target ([in, out]): an MTP layer's block."""
-    return layer_shapes(cfg)["block"]
+def block_shapes(cfg: ModelConfig, sparse: bool = False) -> dict:
+    """Shapes of one decoder layer of the target ([in, out]): an MTP layer's block (with the MoE when `sparse`)."""
+    return layer_shapes(cfg, sparse)["block"]
 
 
 def fuse_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,11 +112,19 @@ class _Reader:
         why = (f"one decoder layer of the target (hidden {c.hidden_size}, {c.num_heads} heads x {c.head_dim}, "
                f"{c.num_kv_heads} kv heads, intermediate {c.intermediate_size}; specjax's MTP block is a dense layer "
                "of the target's family)")
-        shapes = block_shapes(c)
+        sparse = f"{prefix}{ROUTER}" in self.tensors
+        if sparse and c.moe is None:
+            raise ValueError(f"MTP block {prefix} has a router ('{prefix}{ROUTER}') but the target has no experts")
+        if sparse:
+            why = f"the target's MoE ({c.moe.num_experts} experts of {c.moe.expert_size}, shared {c.moe.shared_size})"
+        shapes = block_shapes(c, sparse)
+
+        def take(name, shape, tr):
+            return self.take(name, shape, tr, why)
+
         if c.attn_output_gate:  # Qwen3.5: the gated attention layer's q_proj is split into wq and wg
-            return take_attention_layer(lambda name, shape, tr: self.take(name, shape, tr, why), prefix, shapes, c)
-        keys = _layer_keys()
-        return {k: self.take(prefix + keys[k][0], s, keys[k][1], why) for k, s in shapes.items()}
+            return take_attention_layer(take, prefix, shapes, c, self.tensors)
+        return take_layer(take, self.tensors, prefix, shapes)
 
     def optional_table(self, name: str, same_as: str | None, transpose: bool) -> np.ndarray | None:
         """An optional [V, H] table; None (use the target's) when absent or equal to `same_as`."""
@@ -207,8 +219,8 @@ def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig,
     leftover = sorted(set(names) - reader.used)
     if leftover:
         raise ValueError(f"checkpoint has {len(leftover)} MTP tensor(s) specjax does not know: {_shown(leftover)}; "
-                         "specjax's MTP block is a dense decoder layer of the target's family (no MoE / MLA), and "
-                         "it refuses to drop weights")
+                         "specjax's MTP block is a full-attention decoder layer of the target's family (with the "
+                         "target's experts on an MoE target; no MLA), and it refuses to drop weights")
     return stored
 
 
@@ -228,10 +240,15 @@ def check_stored(stored: dict, cfg: ModelConfig) -> None:
                 raise ValueError(f"MTP param '{k}' has shape {tuple(fs[k].shape)} but the target's hidden_size {h} "
                                  f"implies {s}")
     for j, layer in stored["layers"].items():
-        for k, s in block_shapes(cfg).items():
-            if k not in layer["block"] or tuple(layer["block"][k].shape) != s:
-                got = tuple(layer["block"][k].shape) if k in layer["block"] else "nothing"
-                raise ValueError(f"MTP layer {j} block param '{k}' has shape {got} but a layer of the target "
+        want = jax.tree.leaves_with_path(block_shapes(cfg, "moe" in layer["block"]), is_leaf=lambda x: isinstance(x, tuple))
+        for path, s in want:
+            got = layer["block"]
+            for key in path:
+                got = got.get(key.key) if isinstance(got, dict) else None
+            if got is None or tuple(got.shape) != s:
+                name = "/".join(str(key.key) for key in path)
+                raise ValueError(f"MTP layer {j} block param '{name}' has shape "
+                                 f"{tuple(got.shape) if got is not None else 'nothing'} but a layer of the target "
                                  f"implies {s}")
         for k, s in (("embed", (v, h)), ("lm_head", (h, v))):
             if k in layer and tuple(layer[k].shape) != s:
@@ -264,6 +281,9 @@ def mtp_hf_tensors(stored: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
     def put_block(prefix: str, block: dict) -> None:
         for k, v in block.items():
+            if k == "moe":  # Qwen3.5-MoE publishes fused experts, Qwen3-Next one tensor per expert
+                out.update(moe_hf_tensors(v, prefix, fused=cfg.family == "qwen3_5_moe"))
+                continue
             if k == "wg":
                 continue
             if k == "wq" and "wg" in block:  # Qwen3.5: query and gate back into one q_proj, per head

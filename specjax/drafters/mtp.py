@@ -32,8 +32,9 @@ the state after the target's final norm (the lm_head's input): vLLM's target mod
 qwen3_next.py, qwen3_5.py) and the MTP proposer passes that output on; SGLang and Megatron-LM
 agree. MiMo reads the state before it: vLLM's MiMoModel.forward returns `hidden_states + residual`
 and applies `model.norm` only in compute_logits (vllm/model_executor/models/mimo.py).
-The block is always a dense attention layer of the target (the decoder's `DecoderLayer`),
-whatever the original model's block was (MLA / MoE blocks are out of scope).
+The block is a full-attention layer of the target (the decoder's `DecoderLayer`); on an MoE target
+(Qwen3.5-MoE, Qwen3-Next) its MLP is the target's mixture of experts with the shared expert when the
+checkpoint's block has a router (`sparse_blocks`). MLA blocks (DeepSeek-V3's own) are out of scope.
 
 Drafting (chains): draft 1 comes from MTP layer 0 at the newest committed row (the target's
 hidden paired with the root). Draft s + 1 (s >= 1) comes from layer s mod n at position
@@ -92,10 +93,12 @@ class MtpConfig:
     target: ModelConfig  # the target's config: the block is one of its layers
     own_embed: tuple[int, ...] = ()
     own_lm_head: tuple[int, ...] = ()
+    sparse_blocks: tuple[int, ...] = ()  # the MTP layers whose block's MLP is the target's MoE
 
     @property
     def block(self) -> ModelConfig:
-        """One full-attention decoder layer of the target's family (shapes, RoPE, norms, biases, output gate)."""
+        """One full-attention decoder layer of the target's family (shapes, RoPE, norms, biases, output gate,
+        the target's experts for a sparse block)."""
         return dataclasses.replace(self.target, num_layers=1, layer_types=(), linear=None)
 
     @property
@@ -132,14 +135,14 @@ class MtpLayer(nnx.Module):
     """
 
     def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs, scale: float = 0.02, own_embed: bool = False,
-                 own_lm_head: bool = False):
+                 own_lm_head: bool = False, sparse: bool = False):
         self.cfg = cfg
         t = cfg.target
         h, dtype = t.hidden_size, jnp.dtype(t.dtype)
         identity = (jnp.zeros if cfg.zero_centered else jnp.ones)((h,), dtype)
         self.embed_norm, self.hidden_norm = param(identity, "embed"), param(identity, "embed")
         self.fc = param(normal(rngs, (2 * h, h), dtype, scale), None, "embed")
-        self.block = DecoderLayer(cfg.block, rngs=rngs, scale=scale)
+        self.block = DecoderLayer(cfg.block, rngs=rngs, scale=scale, sparse=sparse)
         self.final_norm = param(identity, "embed")
         self.embed = param(normal(rngs, (t.vocab_size, h), dtype, scale), "vocab", "embed") if own_embed else None
         self.lm_head = param(normal(rngs, (h, t.vocab_size), dtype, scale), "embed", "vocab") if own_lm_head else None
@@ -172,7 +175,8 @@ class MtpHead(nnx.Module):
         self.cfg = cfg
         t = cfg.target
         self.layers = nnx.List([MtpLayer(cfg, rngs=rngs, scale=scale, own_embed=j in cfg.own_embed,
-                                         own_lm_head=j in cfg.own_lm_head) for j in range(cfg.num_layers)])
+                                         own_lm_head=j in cfg.own_lm_head, sparse=j in cfg.sparse_blocks)
+                                for j in range(cfg.num_layers)])
         dtype = jnp.dtype(t.dtype)
         self.embed = param(normal(rngs, (t.vocab_size, t.hidden_size), dtype, scale), "vocab", "embed")
         self.lm_head = None if t.tie_word_embeddings else \
@@ -222,9 +226,10 @@ def head_of(cfg: MtpConfig, params: dict) -> MtpHead:
     return merged(MtpHead, cfg, params)
 
 
-def layer_shapes(target: ModelConfig) -> dict:
-    """The shape of every parameter of one MTP layer on `target` (no own tables): what conversion checks against."""
-    return shapes_of(lambda: MtpLayer(MtpConfig("deepseek", 1, target), rngs=nnx.Rngs(0)))
+def layer_shapes(target: ModelConfig, sparse: bool = False) -> dict:
+    """The shape of every parameter of one MTP layer on `target` (no own tables; an MoE block when `sparse`): what
+    conversion checks against."""
+    return shapes_of(lambda: MtpLayer(MtpConfig("deepseek", 1, target), rngs=nnx.Rngs(0), sparse=sparse))
 
 
 def init_head_cache(cfg: MtpConfig, batch: int, max_len: int) -> KVCache:
@@ -370,4 +375,5 @@ def mtp_config(target_cfg: ModelConfig, stored: dict) -> MtpConfig:
     layers = [stored["layers"][str(j)] for j in range(stored_num_layers(stored))]
     return MtpConfig(layout=stored_layout(stored, target_cfg), num_layers=len(layers), target=target_cfg,
                      own_embed=tuple(j for j, layer in enumerate(layers) if "embed" in layer),
-                     own_lm_head=tuple(j for j, layer in enumerate(layers) if "lm_head" in layer))
+                     own_lm_head=tuple(j for j, layer in enumerate(layers) if "lm_head" in layer),
+                     sparse_blocks=tuple(j for j, layer in enumerate(layers) if "moe" in layer["block"]))

@@ -1,0 +1,187 @@
+"""Speculative decoding on MoE targets: greedy output equals plain decoding for every family (chains, static and
+dynamic trees) on Qwen3-MoE (a dense layer among sparse ones) and Qwen3-Next (hybrid + MoE); the MTP layers
+Qwen3.5-MoE and Qwen3-Next ship (an MoE block with a shared expert) draft losslessly, their block is
+transformers' decoder layer; a sampled chain keeps an MoE target's distribution."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_tiny import build_hf_model, build_moe, fuse_expert_tensors, save_hf_model
+from safetensors.numpy import load_file, save_file
+from test_hybrid_speculative import CASES, MAX_NEW, make
+from test_lossless_sampling import NEW, PROMPT, ROWS, VOCAB, chi_square_passes, exact_distribution, tiny
+
+import specjax
+from specjax.config import ModelConfig, MoeConfig, SamplingConfig
+from specjax.drafters import DraftModelDrafter
+from specjax.drafters.mtp import MtpDrafter, head_of
+from specjax.loading.drafter import mtp_drafter
+from specjax.models.cache import init_cache
+from specjax.models.layers import causal_mask, rope_inv_freq
+from specjax.models.model import init_params
+from specjax.models.target import Target
+
+# Four layers (the shared cases tap layers 1..4); Qwen3-MoE's layer 1 and Qwen3-Next's layer 2 are dense.
+TARGETS = {"qwen3_moe": dict(num_hidden_layers=4), "qwen3_next": {}}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request, tmp_path_factory):
+    hf = build_moe(request.param, **TARGETS[request.param])
+    return specjax.load(save_hf_model(hf, tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    return specjax.load(save_hf_model(build_hf_model("qwen3", seed=1, num_hidden_layers=1),
+                                      tmp_path_factory.mktemp("draft")))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 256, size=n).tolist() for n in (5, 23, 1)]
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
+    assert all(len(set(t)) > MAX_NEW // 2 for t in out.tokens)
+    return out
+
+
+@pytest.mark.parametrize("name, tree", CASES, ids=[f"{n}-{t if isinstance(t, str) else 'list'}" for n, t in CASES])
+def test_greedy_speculative_equals_plain(target, other, prompts, plain, name, tree):
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[],
+                           drafter=make(name, target, other, plain), tree=tree)
+    assert out.tokens == plain.tokens
+    if name.startswith("wrong-at-"):
+        depth = int(name.rsplit("-", 1)[1])
+        assert out.stats["per_position_acceptance"][depth - 1] == 0.0
+
+
+def test_prefix_scheduler_on_an_moe_target(target, prompts, plain):
+    drafter = specjax.replay_drafter(plain.tokens, 256, corrupt_prob=0.4, confidence=True, confidence_noise=0.2)
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
+                           num_draft_tokens=6, scheduler="confidence")
+    assert out.tokens == plain.tokens
+
+
+# ---- the MTP layers MoE checkpoints ship -------------------------------------------------------------------
+
+
+def with_mtp(src, dst, fused: bool, seed: int = 0):
+    """Copy an HF dir and add one random MTP layer in the Qwen3-Next / Qwen3.5 layout whose block is a copy of the
+    target's full-attention layer 3 (an MoE layer: fused experts for Qwen3.5-MoE, per expert for Qwen3-Next)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    rng = np.random.default_rng(seed)
+
+    def rand_like(shape, name):
+        if "norm" in name:
+            return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return (0.5 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    block = {k[len("model.layers.3."):]: t for k, t in tensors.items() if k.startswith("model.layers.3.")}
+    added = {f"mtp.layers.0.{k}": rand_like(t.shape, k) for k, t in block.items()}
+    added |= {f"mtp.{n}.weight": rand_like((h,), "norm") for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden",
+                                                                   "norm")}
+    added["mtp.fc.weight"] = rand_like((h, 2 * h), "fc")
+    if fused:
+        tensors, added = fuse_expert_tensors(tensors), fuse_expert_tensors(added)
+    save_file(tensors | added, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return dst, added
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def mtp_target(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(request.param)
+    src = save_hf_model(build_moe(request.param), base / "hf")
+    path, added = with_mtp(src, base / "with_mtp", fused=request.param == "qwen3_5_moe")
+    return request.param, specjax.load(path), added
+
+
+def test_moe_mtp_layers_are_read(mtp_target):
+    arch, target, added = mtp_target
+    if arch == "qwen3_5_moe":  # fuse (4) + attention (8) + router, fused experts (2), shared expert and gate (4)
+        assert len(added) == 19
+    drafter = mtp_drafter(target)
+    assert isinstance(drafter, MtpDrafter) and drafter.cfg.sparse_blocks == (0,)
+    moe = target.mtp["layers"]["0"]["block"]["moe"]
+    assert moe["w_gate"].shape == (8, 64, 32) and moe["shared_gate"].shape == (64, 48)
+
+
+def test_moe_mtp_block_is_transformers_decoder_layer(mtp_target):
+    """The MTP block (a sparse full-attention layer) against transformers' own decoder layer holding its weights."""
+    import transformers
+
+    arch, target, added = mtp_target
+    if arch != "qwen3_5_moe":
+        pytest.skip("transformers' Qwen3-Next layer holds fused experts; the per-expert copy is checked by load")
+    config = transformers.Qwen3_5MoeTextConfig(**{**json.loads((target.path / "config.json").read_text())})
+    layer = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer(config, 3).eval()
+    layer.load_state_dict({k[len("mtp.layers.0."):]: torch.tensor(v) for k, v in added.items()
+                           if k.startswith("mtp.layers.0.")})
+    rotary = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding(config)
+    x = np.random.default_rng(2).standard_normal((1, 9, 64)).astype(np.float32)
+    positions = torch.arange(9)[None]
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]  # eager attention's additive mask
+    with torch.no_grad():
+        want = layer(torch.tensor(x), position_embeddings=rotary(torch.tensor(x), positions),
+                     attention_mask=causal, position_ids=positions)
+    want = (want[0] if isinstance(want, tuple) else want).numpy()
+    drafter = mtp_drafter(target)
+    head = head_of(drafter.cfg, drafter.params)
+    block_cfg = drafter.cfg.block
+    cache = init_cache(block_cfg, 1, 16, per_layer=True)
+    inv_freq = rope_inv_freq(block_cfg.rope, block_cfg.rotary_dim)
+    got, _, _ = head.layers[0].block(jnp.asarray(x), cache.k[0], cache.v[0], None, jnp.zeros((1,), jnp.int32),
+                                     jnp.arange(9)[None], causal_mask(9)[None], inv_freq, "xla")
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_moe_mtp_drafts_losslessly(mtp_target, k):
+    _, target, _ = mtp_target
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (6, 19)]
+    plain = specjax.generate(target, prompts, max_new_tokens=32, eos_token_id=[])
+    out = specjax.generate(target, prompts, max_new_tokens=32, eos_token_id=[], drafter=mtp_drafter(target),
+                           num_draft_tokens=k)
+    assert out.tokens == plain.tokens
+
+
+# ---- losslessness of sampling ------------------------------------------------------------------------------
+
+
+def tiny_moe(seed: int) -> Target:
+    """A 6-token MoE target: two sparse layers of 4 experts, 2 per token, a shared expert."""
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, qk_norm=True, family="qwen3_moe",
+                      moe=MoeConfig(num_experts=4, top_k=2, expert_size=16, shared_size=16, sparse_layers=(0, 1)))
+    return Target(init_params(cfg, jax.random.key(seed), scale=0.25), cfg, hf_config={})
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
+def test_sampled_output_has_the_target_distribution(tree):
+    target, draft = tiny_moe(2), tiny(7, layers=1)  # seed 2: 0.36 of the mass shared with the draft
+    sampling = SamplingConfig(1.0)
+    out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=11, tree=tree,
+                           eos_token_id=[], drafter=DraftModelDrafter(draft.cfg, draft.params))
+    samples = np.array(out.tokens)
+    ok, stat, threshold = chi_square_passes(samples, exact_distribution(target, sampling))
+    assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}: sampled output is not the target's distribution"
+    ok_draft, stat_draft, _ = chi_square_passes(samples, exact_distribution(draft, sampling))
+    assert not ok_draft and stat_draft > 3 * threshold
+    probs = exact_distribution(target, sampling)
+    assert probs.max() < 0.2 and np.isclose(probs.sum(), 1.0)
