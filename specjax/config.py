@@ -94,7 +94,7 @@ class MoeConfig:
     norm_topk_prob: bool = True
     shared_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[int, ...] = ()
-    impl: str = "auto"  # the expert path (models/moe.py): "auto" by tokens per pass, "gather" or "sorted"
+    impl: str = "auto"  # the expert path (models/moe.py): "auto" by tokens per pass, "gather", "sorted", "ragged"
 
     def expected_experts(self, tokens: int) -> float:
         """Distinct experts a pass of `tokens` tokens reads in one sparse layer under uniform routing:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 import specjax
 from specjax.config import ModelConfig
 from specjax.models.model import merge
+from specjax.models.moe import EXPERT_PATHS, block_rows, route
 
 LOGIT_ATOL = 1e-4
 ARCHS = [("qwen3_moe", "causal_lm"), ("qwen3_5_moe", "causal_lm"), ("qwen3_5_moe", "conditional"),
@@ -73,9 +75,35 @@ def test_logits_match_transformers(pair, t):
     ref = hf_logits(hf_model, tokens)
     assert np.abs(ref).max() > 5
     np.testing.assert_allclose(np.asarray(target.model(tokens, attn_impl="xla")), ref, atol=LOGIT_ATOL, rtol=0)
-    for impl in ("gather", "sorted"):
+    for impl in ("gather", "sorted", "ragged"):
         ours = merge(with_path(target.cfg, impl), target.params)(tokens, attn_impl="xla")
         np.testing.assert_allclose(np.asarray(ours), ref, atol=LOGIT_ATOL, rtol=0, err_msg=impl)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 50, 700])
+@pytest.mark.parametrize("one_expert", [False, True], ids=["spread", "all-on-expert-5"])
+def test_expert_paths_equal_every_expert_on_every_token(tokens, one_expert):
+    """Each path against the dense definition (every expert on every token, weighted by the routing matrix), from
+    one slot per expert up to blocks of 64 rows, and every slot on one expert (one full group, the rest empty)."""
+    e, k, d, i = 8, 2, 16, 12
+    keys = jax.random.split(jax.random.key(tokens), 5)
+    x = jax.random.normal(keys[0], (tokens, d))
+    w_gate, w_up = (jax.random.normal(key, (e, d, i)) / d ** 0.5 for key in keys[1:3])
+    w_down = jax.random.normal(keys[3], (e, i, d)) / i ** 0.5
+    router = jax.random.normal(keys[4], (d, e))
+    if one_expert:
+        x, router = x.at[:, 0].set(10.0), router.at[0, 5].set(10.0)
+    weights, experts = route(x, router, k, True)
+    if one_expert:
+        assert (experts == 5).any(axis=-1).all()
+    dense_NE = jnp.zeros((tokens, e)).at[jnp.arange(tokens)[:, None], experts].set(weights)
+    every_NED = jnp.einsum("nei,eid->ned", jax.nn.silu(jnp.einsum("nd,edi->nei", x, w_gate))
+                           * jnp.einsum("nd,edi->nei", x, w_up), w_down)
+    want = jnp.einsum("ned,ne->nd", every_NED, dense_NE)
+    assert block_rows(tokens * k, e) == {1: 1, 3: 1, 50: 8, 700: 128}[tokens]
+    for name, fn in EXPERT_PATHS.items():
+        np.testing.assert_allclose(np.asarray(jax.jit(fn)(x, weights, experts, w_gate, w_up, w_down)),
+                                   np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def test_greedy_generation_matches_transformers(pair):

@@ -38,6 +38,7 @@ from specjax.convert.hf import hf_to_params
 from specjax.generate import generate
 from specjax.models.model import init_params
 from specjax.models.target import Target
+from specjax.planning.profile import QWEN3_30B_A3B
 
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
                    rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -70,8 +71,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                                       "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
                   "eos_token_id": 248044, "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1},
+    # Qwen/Qwen3-30B-A3B's config (128 experts of 768, 8 per token, 3.3B of 30.5B active), bf16, random weights.
+    "qwen3_30b_a3b": QWEN3_30B_A3B,
+    # A CPU pair for the expert-read curve (scripts/bench_moe.py): the same 23.5M active parameters, fp32, memory-bound
+    # at small passes. moe_cpu: 4 sparse layers of 32 experts of 512, 4 per token (112M in all, 447 MB);
+    # moe_cpu_dense: the dense model whose MLP is those 4 experts' width (2048).
+    "moe_cpu": {**QWEN3_30B_A3B, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048,
+                "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+                "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 512, "torch_dtype": "float32"},
+    "moe_cpu_dense": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 8192,
+                      "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8,
+                      "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                      "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "float32"},
 }
-GPU_PRESETS = ("8b", "qwen35_9b")
+GPU_PRESETS = ("8b", "qwen35_9b", "qwen3_30b_a3b")
 # Two layers, 64 wide: for tests of the benchmark scripts (seconds, not a model anyone measures).
 MICRO_PRESET = {**PRESETS["tiny20m"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

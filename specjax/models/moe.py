@@ -4,34 +4,42 @@ Routing follows transformers' Qwen3MoeTopKRouter: softmax over every expert's lo
 k, renormalised to sum 1 when the config says so, the weights cast to the model dtype. No capacity factor
 and no token dropping: every token reaches all of its k experts, so the output is transformers'.
 
-The experts run under fixed shapes by one of two paths, both exact:
-* "sorted": the N x k (token, expert) slots sorted by expert, one grouped matmul per projection
-  (`jax.lax.ragged_dot` over the E expert matrices with the group sizes), weighted and scattered back.
-  Its work is the slots' rows, its weight reads the experts a grouped GEMM visits. On GPU this is XLA's
-  ragged-dot lowering (not a hand-written Pallas kernel: JAX's Mosaic GPU ragged_dot has no interpret
-  mode to test here; scripts/gpu_checks.sh measures the XLA path).
-* "gather": each slot's expert matrices gathered ([N, k, D, I]) and applied by a batched contraction. It
-  reads exactly the k experts of each token, so for a few tokens per pass (decode, verification at small
-  batch) it never touches the experts no token chose, whatever the grouped GEMM would visit.
-`expert_path` picks one from the slot count (static under jit): `scripts/bench_moe.py` measures where they
-cross.
+The experts run under fixed shapes by one of three paths, all exact (they differ in summation order only):
+* "gather": each (token, expert) slot's expert matrices gathered ([N, k, D, I]) and applied by a batched
+  contraction. It reads exactly the k experts of each token and needs no sort: decode and verification
+  at small batch, where a grouped matmul's bookkeeping costs more than the slots.
+* "sorted": the N x k slots sorted by expert into blocks of `block_rows` rows, every block one expert's
+  (a block's unused rows are zeros), each block's expert matrices gathered once and the blocks run as one
+  batched matmul. At most min(S, S/R + E) blocks for S slots and R rows per block: each routed expert is
+  read about once per R of its tokens, and a padded row costs FLOPs only. R grows with the slots per
+  expert (1 at decode sizes: the gather path plus a sort; up to 128 at prefill).
+* "ragged": the same sort as one `jax.lax.ragged_dot` per projection. XLA lowers ragged_dot on CPU and
+  on NVIDIA GPUs (without --xla_gpu_experimental_use_ragged_dot_fusion) through its RaggedDotRewriter,
+  a dense dot over a group-broadcast LHS: E times the FLOPs (xla/hlo/transforms/expanders/
+  ragged_dot_rewriter.cc). It is kept for backends that lower it to a grouped GEMM, never chosen by "auto".
+There is no Pallas kernel here: the gather XLA does for the "sorted" path copies each block's expert
+matrices before the matmul (a fused grouped GEMM would read them in place); scripts/gpu_checks.sh times
+the paths on a GPU. `expert_path` picks one from the slot count (static under jit); scripts/bench_moe.py
+measures where they cross on this CPU.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
 
-PATHS = ("auto", "gather", "sorted")
-# Slots (tokens x k) up to which "auto" gathers the routed experts' weights. Measured on the 2-core CPU of
-# scripts/bench_moe.py (Qwen3-30B-A3B's k = 8 of E = 128, scaled down): gather is faster through 8 slots (one
-# token), the sorted grouped matmul from 16 on.
+PATHS = ("auto", "gather", "sorted", "ragged")
+# Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
+# batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU the two are within
+# 10% there and the sorted path is 2-4x faster from 64 slots on (scripts/bench_moe.py, paths).
 GATHER_MAX_SLOTS = 8
+MAX_BLOCK_ROWS = 128
 
 
 def expert_path(moe: MoeConfig, tokens: int) -> str:
@@ -58,8 +66,41 @@ def gather_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     return jnp.einsum("nkd,nk->nd", out_NKD, weights_NK)
 
 
+def block_rows(slots: int, experts: int) -> int:
+    """Rows per expert block of the sorted path: the power of two nearest below slots / experts, in 1..128."""
+    rows = 1
+    while rows * 2 <= slots // experts and rows < MAX_BLOCK_ROWS:
+        rows *= 2
+    return rows
+
+
 def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
-    """The same as gather_experts, the slots sorted by expert and run as grouped matmuls (ragged_dot)."""
+    """The same as gather_experts, the slots sorted by expert into one-expert blocks run as a batched matmul."""
+    n, k = experts_NK.shape
+    e, s = w_gate_EDI.shape[0], n * k
+    rows = block_rows(s, e)
+    num_blocks = min(s, -(-s // rows) + e)
+    flat_S = experts_NK.reshape(-1)
+    order_S = jnp.argsort(flat_S, stable=True)
+    expert_S = flat_S[order_S]
+    counts_E = jnp.bincount(flat_S, length=e)
+    blocks_E = (counts_E + rows - 1) // rows
+    first_block_E, first_slot_E = jnp.cumsum(blocks_E) - blocks_E, jnp.cumsum(counts_E) - counts_E
+    rank_S = jnp.arange(s) - first_slot_E[expert_S]  # the slot's place among its expert's slots
+    dest_S = (first_block_E[expert_S] + rank_S // rows) * rows + rank_S % rows
+    x_BRD = jnp.zeros((num_blocks * rows, x_ND.shape[1]), x_ND.dtype).at[dest_S].set(x_ND[order_S // k])
+    x_BRD = x_BRD.reshape(num_blocks, rows, -1)
+    # each block's expert; blocks past the last used one hold zero rows (any expert, the last)
+    expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(num_blocks), side="right"), e - 1)
+    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, w_gate_EDI[expert_B])) * \
+        jnp.einsum("brd,bdi->bri", x_BRD, w_up_EDI[expert_B])
+    out_SD = jnp.einsum("bri,bid->brd", hidden_BRI, w_down_EID[expert_B]).reshape(num_blocks * rows, -1)[dest_S]
+    out_SD = out_SD * weights_NK.reshape(-1)[order_S][:, None]
+    return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[order_S // k].add(out_SD)
+
+
+def ragged_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
+    """The same as sorted_experts with the grouped matmuls as `jax.lax.ragged_dot` (see the module docstring)."""
     n, k = experts_NK.shape
     flat_S = experts_NK.reshape(-1)
     order_S = jnp.argsort(flat_S, stable=True)
@@ -71,7 +112,7 @@ def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[token_S].add(out_SD)
 
 
-EXPERT_PATHS = {"gather": gather_experts, "sorted": sorted_experts}
+EXPERT_PATHS = {"gather": gather_experts, "sorted": sorted_experts, "ragged": ragged_experts}
 
 
 class MoeMLP(nnx.Module):
@@ -90,6 +131,7 @@ class MoeMLP(nnx.Module):
         def weight(dims, *names):
             return param(normal(rngs, shape + dims, dtype, scale), *axes, *names)
 
+        self.record = False  # routing_counts sets it: each call then sows its expert ids (nnx.Intermediate "routed")
         self.router = weight((d, e), "embed", None)
         self.w_gate, self.w_up = weight((e, d, i), "experts", "embed", "mlp"), weight((e, d, i), "experts", "embed", "mlp")
         self.w_down = weight((e, i, d), "experts", "mlp", "embed")
@@ -106,6 +148,8 @@ class MoeMLP(nnx.Module):
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
         weights_NK, experts_NK = route(x_ND, self.router[...], self.moe.top_k, self.moe.norm_topk_prob)
+        if self.record:
+            self.sow(nnx.Intermediate, "routed", experts_NK.reshape(b, t, -1))
         run = EXPERT_PATHS[expert_path(self.moe, b * t)]
         y_ND = run(x_ND, weights_NK, experts_NK, self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.shared_gate is not None:
@@ -113,8 +157,35 @@ class MoeMLP(nnx.Module):
             y_ND = y_ND + jax.nn.sigmoid(x_ND @ self.shared_expert_gate[...]) * shared_ND
         return y_ND.astype(x_BTD.dtype).reshape(b, t, d)
 
-    def routing(self, x_BTD: jax.Array) -> jax.Array:
-        """The expert ids [B, T, k] each token of a normed input is routed to (for routing statistics)."""
-        b, t, d = x_BTD.shape
-        _, experts_NK = route(x_BTD.reshape(b * t, d), self.router[...], self.moe.top_k, self.moe.norm_topk_prob)
-        return experts_NK.reshape(b, t, -1)
+
+def routed_experts(model, tokens_BT) -> list[np.ndarray]:
+    """Per sparse layer, the experts each token of `tokens_BT` is routed to ([B, T, k]): one eager forward of
+    `model` (a Decoder or HybridDecoder holding an MoE) with its routers recording."""
+    moes = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    if not moes:
+        raise ValueError("routed_experts needs an MoE model (its layers hold no experts); per-layer layout")
+    for moe in moes:
+        moe.record = True
+    try:
+        model(tokens_BT)
+        return [np.asarray(moe.routed[0]) for moe in moes]
+    finally:
+        for moe in moes:
+            moe.record = False
+            del moe.routed
+
+
+def distinct_experts(routed: list[np.ndarray], tokens: int, samples: int = 64, seed: int = 0) -> float:
+    """Mean distinct experts a pass of `tokens` tokens reads in one sparse layer, the tokens drawn at random from
+    the routed ones (rows and positions mixed, as a batch of requests): the measured counterpart of
+    MoeConfig.expected_experts."""
+    rng = np.random.default_rng(seed)
+    counts = []
+    for experts_BTK in routed:
+        flat_NK = experts_BTK.reshape(-1, experts_BTK.shape[-1])
+        if tokens > flat_NK.shape[0]:
+            raise ValueError(f"a pass of {tokens} tokens needs at least that many routed tokens, got {flat_NK.shape[0]}")
+        for _ in range(samples):
+            pick = rng.choice(flat_NK.shape[0], size=tokens, replace=False)
+            counts.append(len(np.unique(flat_NK[pick])))
+    return float(np.mean(counts))

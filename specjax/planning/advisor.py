@@ -34,6 +34,7 @@ from specjax.planning.planner import (
     format_plan,
     plan,
     published_model,
+    published_moe_model,
     shape_curve,
     shape_of,
 )
@@ -58,6 +59,9 @@ def ints(text: str, what: str) -> list[int]:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-only", action="store_true",
                    help="the published load model: 8B target by roofline, drafter right w.p. --alpha, costing --cost")
+    p.add_argument("--moe", action="store_true",
+                   help="--model-only: plan Qwen3-30B-A3B (an MoE: the experts a pass reads grow with its tokens) "
+                        "beside a dense model of the same active size, and compare their best shapes")
     p.add_argument("--alpha", type=float, default=0.8, help="--model-only: the drafter's per-position acceptance")
     p.add_argument("--cost", type=float, default=None,
                    help="draft cost per level as a fraction of one target step (--model-only default 0.05)")
@@ -90,6 +94,10 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.plot and find_spec("matplotlib") is None:  # say so before minutes of calibration, not after
         raise ValueError("--plot needs matplotlib: pip install -e '.[plot]', or drop --plot")
     report: dict[str, Any] = {"concurrency": batches}
+    if args.moe:
+        if not args.model_only:
+            raise ValueError("--moe compares the published settings on a dense and an MoE model: add --model-only")
+        return plan_moe_vs_dense(args, batches, report)
     if args.model_only:
         if args.target or args.drafter:
             raise ValueError("--model-only plans the published model; drop --target/--drafter, or drop --model-only")
@@ -141,6 +149,40 @@ def plan_main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     return 0
+
+
+def plan_moe_vs_dense(args: argparse.Namespace, batches: list[int], report: dict[str, Any]) -> int:
+    """The published settings planned on Qwen3-30B-A3B and on a dense model of its active size, side by side."""
+    cost = 0.05 if args.cost is None else args.cost
+    p, dense, moe = published_moe_model(args.alpha, cost, args.device or "h100")
+    max_nodes = args.max_nodes or 512
+    table = best_trees(p, max_nodes, args.max_depth)
+    plans = {}
+    for name, cm in (("dense", dense), ("moe", moe)):
+        print(f"cost ({name}): {cm.source}")
+        plans[name] = plan(p, batches, cm.verify_s, cm.draft_s, max_nodes=max_nodes, max_depth=args.max_depth,
+                           table=table)
+        print(format_plan(plans[name]))
+    print(format_comparison(plans["dense"], plans["moe"]))
+    report |= {"p_rank": list(p), "costs": {"dense": dense.source, "moe": moe.source},
+               "choices": {k: [c.as_dict() for c in v] for k, v in plans.items()}}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def format_comparison(dense: Sequence[Choice], moe: Sequence[Choice]) -> str:
+    """Per concurrency: each model's best shape (nodes verified per row) and speedup, and which drafts longer."""
+    lines = ["| concurrency | dense best (nodes, speedup) | MoE best (nodes, speedup) | MoE's draft |",
+             "|---|---|---|---|"]
+    for d, m in zip(dense, moe):
+        dn, mn = d.best.shape.nodes, m.best.shape.nodes
+        verdict = "same size" if dn == mn else (f"{dn / mn:.1f}x shorter" if mn < dn else f"{mn / dn:.1f}x longer")
+        lines.append(f"| {d.batch} | {d.best.shape.label} ({dn}, {d.best.speedup:.2f}x) | "
+                     f"{m.best.shape.label} ({mn}, {m.best.speedup:.2f}x) | {verdict} |")
+    return "\n".join(lines)
 
 
 def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int], report: dict[str, Any]) -> int:

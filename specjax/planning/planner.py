@@ -27,10 +27,18 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from specjax.config import SamplingConfig
+from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import Settings
 from specjax.decoding.tree import TreeSpec, chain, child_ranks, from_choices, kary
-from specjax.planning.profile import LLAMA3_8B_PARAMS, CostModel, Roofline, device_spec, relative_draft
+from specjax.models.target import format_count
+from specjax.planning.profile import (
+    LLAMA3_8B_PARAMS,
+    QWEN3_30B_A3B,
+    CostModel,
+    Roofline,
+    device_spec,
+    relative_draft,
+)
 
 NEG = -np.inf
 
@@ -456,6 +464,21 @@ def geometric_acceptance(alpha: float, ranks: int = 8) -> tuple[float, ...]:
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     return tuple(alpha * (1 - alpha) ** r for r in range(ranks))
+
+
+def published_moe_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"):
+    """(p, dense CostModel, MoE CostModel): the published settings on Qwen3-30B-A3B by roofline (its experts read
+    per pass under uniform routing) and on a dense bf16 model of the same active parameters (3.3B)."""
+    cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
+    moe = Roofline.for_config(cfg, device_spec(device))
+    dense = Roofline(moe.device, moe.params, 2 * moe.params)
+    what = f"drafter right w.p. {alpha:g}, draft {cost:g} x target step per level"
+    cms = [CostModel(r.verify_s, relative_draft(r.verify_s, cost), f"{name} on {r.device.name} by roofline (knee "
+                     f"{r.knee:.0f} tokens/pass), {what}")
+           for r, name in ((dense, f"dense {format_count(moe.params)} bf16"),
+                           (moe, f"Qwen3-30B-A3B ({format_count(cfg.num_params())}, "
+                                 f"{format_count(moe.params)} active)"))]
+    return geometric_acceptance(alpha), cms[0], cms[1]
 
 
 def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"):

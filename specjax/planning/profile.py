@@ -7,7 +7,10 @@ Two sources, one interface (`CostModel`: verify_s(batch, nodes) and draft_s(batc
   the usual decode roofline (attention FLOPs and activations ignored). Below the knee
   T* = peak x weight_bytes / (2 x params x bandwidth) more tokens per pass are free; above
   it each token costs its FLOPs. Known devices in DEVICES; an 8B bf16 model on an H100 has
-  its knee at ~295 tokens per pass.
+  its knee at ~295 tokens per pass. A mixture of experts reads its shared weights once and,
+  per sparse layer, only the experts the pass's tokens route to: E (1 - (1 - k/E)^T) under
+  uniform routing, or a measured curve (`routing_curve`); its FLOPs are the active params'.
+  More tokens per pass read more experts, so verification is not free below the knee.
 - `Profile`: times measured on this device by `profile()` (one verify round: forward +
   lm_head + acceptance + commit, several rounds per jitted call as the loop runs them,
   median of repeats; and the drafter's propose), interpolated piecewise-linearly in T.
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig, SamplingConfig
+from specjax.config import ModelConfig, MoeConfig, SamplingConfig
 from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.request import bucket, round_cache_length
 from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
@@ -70,6 +73,14 @@ DEVICES: dict[str, DeviceSpec] = {
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LLAMA3_8B_PARAMS = 8.03e9  # Meta-Llama-3-8B, bf16: 16.06 GB of weights
+# Qwen/Qwen3-30B-A3B's config.json (the fields specjax reads): 48 layers, every MLP 128 experts of 768, 8 per token.
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                 "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "bos_token_id": 151643, "eos_token_id": 151645,
+                 "torch_dtype": "bfloat16"}
 
 
 def device_spec(name: str) -> DeviceSpec:
@@ -104,23 +115,56 @@ class Roofline:
     state_bytes_per_row: float = 0.0  # a hybrid's Gated DeltaNet states, all layers, one row (fp32)
     node_bytes: float = 0.0  # per draft node per row: the DeltaNet results a verify pass keeps for commit
     state_flops_per_token: float = 0.0  # the delta rule's state reads and updates per token (not in params)
+    expert_bytes: float = 0.0  # one expert of every sparse layer; weight_bytes then holds only the shared weights
+    experts: MoeConfig | None = None  # the routing (E, k) behind experts_read
+    routing: tuple[tuple[int, float], ...] = ()  # measured (tokens per pass, distinct experts per sparse layer)
 
     @classmethod
     def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0) -> "Roofline":
         """From a ModelConfig: params and bytes at its dtype, KV per position from the attention layers x kv heads
         x head_dim, and for a hybrid its recurrent state (`hybrid_bytes`)."""
         width = DTYPE_BYTES[str(cfg.dtype)]
-        params = cfg.num_params()
+        params = cfg.num_params(active=True)
         kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * width
         peak = device.peak_for(str(cfg.dtype))
         state, node, flops = hybrid_bytes(cfg)
-        return cls(dataclasses.replace(device, peak_flops=peak), params, params * width, kv, cache_len, state, node,
-                   flops)
+        one_expert = 0.0 if cfg.moe is None else len(cfg.moe.sparse_layers) * 3 * cfg.hidden_size * cfg.moe.expert_size
+        shared = cfg.num_params() - (0 if cfg.moe is None else one_expert * cfg.moe.num_experts)
+        return cls(dataclasses.replace(device, peak_flops=peak), params, shared * width, kv, cache_len, state, node,
+                   flops, one_expert * width, cfg.moe)
+
+    def with_routing(self, routing: Sequence[tuple[int, float]]) -> "Roofline":
+        """This roofline with a measured routing curve (tokens per pass -> distinct experts per sparse layer)."""
+        return dataclasses.replace(self, routing=tuple((int(t), float(e)) for t, e in sorted(routing)))
+
+    def experts_read(self, tokens: int) -> float:
+        """Distinct experts one sparse layer reads in a pass of `tokens`: the measured curve (interpolated, then
+        uniform routing's shape past its end), else uniform routing's expectation; 0 for a dense model."""
+        if self.experts is None:
+            return 0.0
+        if not self.routing:
+            return self.experts.expected_experts(tokens)
+        xs, ys = [t for t, _ in self.routing], [e for _, e in self.routing]
+        if tokens <= xs[-1]:
+            return interp(tokens, xs, ys)
+        scale = ys[-1] / self.experts.expected_experts(xs[-1])  # the measured skew carried past the last point
+        return min(float(self.experts.num_experts), scale * self.experts.expected_experts(tokens))
+
+    def weights_s(self, tokens: int) -> float:
+        """Seconds to read the weights one pass of `tokens` touches (all of them for a dense model)."""
+        return (self.weight_bytes + self.expert_bytes * self.experts_read(tokens)) / self.device.bandwidth
 
     @property
     def knee(self) -> float:
-        """Tokens per pass where compute time reaches weight-read time."""
-        return self.device.peak_flops * self.weight_bytes / (2 * self.params * self.device.bandwidth)
+        """Tokens per pass where compute time reaches weight-read time (for an MoE, with the experts T reads)."""
+        per_token = 2 * self.params / self.device.peak_flops
+        if self.experts is None:
+            return self.weights_s(1) / per_token
+        lo, hi = 1.0, 1e7  # compute grows linearly, the experts read saturate: one crossing
+        for _ in range(100):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if per_token * mid < self.weights_s(int(mid)) else (lo, mid)
+        return lo
 
     def verify_s(self, batch: int, nodes: int) -> float:
         """One verify pass of `nodes` per row and its commit. A hybrid's DeltaNet state is read by the pass and
@@ -133,7 +177,7 @@ class Roofline:
         return self._pass_s(batch, batch * (self.cache_len * self.kv_bytes_per_position + 2 * self.state_bytes_per_row))
 
     def _pass_s(self, tokens: int, per_row_bytes: float) -> float:
-        weights = self.weight_bytes / self.device.bandwidth
+        weights = self.weights_s(tokens)
         compute = (2 * self.params + self.state_flops_per_token) * tokens / self.device.peak_flops
         return max(weights, compute) + per_row_bytes / self.device.bandwidth
 
