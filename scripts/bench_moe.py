@@ -12,6 +12,8 @@
             lookup: drafting free), in one table and one plot
 
     python scripts/bench_moe.py --out runs/bench_moe.json --plot runs/bench_moe.png
+    python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 --tokens 1,8,64,512,4096
+        (the expert paths alone on one Qwen3-30B-A3B layer's shape: scripts/gpu_checks.sh moe)
 
 Single runs on a shared 2-core machine vary by +-25%: read the ratios. --quick shrinks every sweep (a smoke run).
 """
@@ -25,14 +27,15 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.bench.ar import PRESETS, machine_info
 from specjax.bench.spec import random_model
 from specjax.config import ModelConfig
-from specjax.models.moe import EXPERT_PATHS, GATHER_MAX_SLOTS, distinct_experts, route, routed_experts
+from specjax.models.moe import EXPERT_PATHS, GATHER_MAX_SLOTS, block_rows, route
 from specjax.planning.planner import format_plan, geometric_acceptance, plan
-from specjax.planning.profile import DEVICES, Roofline, profile, time_verify_round
+from specjax.planning.profile import DEVICES, Roofline, profile, routing_curve, time_verify_round
 
 
 def median_times(fns: dict, repeats: int) -> dict[str, float]:
@@ -48,39 +51,34 @@ def median_times(fns: dict, repeats: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int) -> list[dict]:
-    """Both expert paths on one sparse layer's weights, tokens per pass along `tokens`."""
-    moe = cfg.moe
+def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int, max_gather_slots: int = 2048) -> list[dict]:
+    """Every expert path on one sparse layer's weights (random, the config's dtype), tokens per pass along `tokens`.
+    The gather path copies each slot's expert matrices: past `max_gather_slots` it is not run."""
+    moe, dtype = cfg.moe, jnp.dtype(cfg.dtype)
     d, e, i = cfg.hidden_size, moe.num_experts, moe.expert_size
     ks = jax.random.split(jax.random.key(0), 5)
-    w_gate, w_up = (0.02 * jax.random.normal(k, (e, d, i)) for k in ks[:2])
-    w_down = 0.02 * jax.random.normal(ks[2], (e, i, d))
-    router = jax.random.normal(ks[3], (d, e)) / d ** 0.5
+    w_gate, w_up = ((0.02 * jax.random.normal(k, (e, d, i))).astype(dtype) for k in ks[:2])
+    w_down = (0.02 * jax.random.normal(ks[2], (e, i, d))).astype(dtype)
+    router = (jax.random.normal(ks[3], (d, e)) / d ** 0.5).astype(dtype)
     rows = []
     for n in tokens:
-        x = jax.random.normal(ks[4], (n, d))
+        x = jax.random.normal(ks[4], (n, d)).astype(dtype)
         weights, experts = route(x, router, moe.top_k, moe.norm_topk_prob)
-        fns = {name: (lambda f=jax.jit(fn): f(x, weights, experts, w_gate, w_up, w_down))
-               for name, fn in EXPERT_PATHS.items()}
+        paths = {k: v for k, v in EXPERT_PATHS.items() if k != "gather" or n * moe.top_k <= max_gather_slots}
+        fns = {name: (lambda f=jax.jit(fn): f(x, weights, experts, w_gate, w_up, w_down)) for name, fn in paths.items()}
         t = median_times(fns, repeats)
-        rows.append({"tokens": n, "slots": n * moe.top_k, **{f"{k}_ms": v * 1e3 for k, v in t.items()},
-                     "faster": min(t, key=t.get)})
-        print(f"paths  tokens {n:4d} ({n * moe.top_k:4d} slots): gather {t['gather'] * 1e3:8.2f} ms  "
-              f"sorted {t['sorted'] * 1e3:8.2f} ms", flush=True)
+        rows.append({"tokens": n, "slots": n * moe.top_k, "block_rows": block_rows(n * moe.top_k, e),
+                     **{f"{k}_ms": v * 1e3 for k, v in t.items()}, "faster": min(t, key=t.get)})
+        print(f"paths  tokens {n:5d} ({n * moe.top_k:6d} slots): "
+              + "  ".join(f"{k} {v * 1e3:9.2f} ms" for k, v in t.items()), flush=True)
     return rows
-
-
-def routing_curve(target, tokens: list[int], prompts: int = 8, length: int = 128) -> list[tuple[int, float]]:
-    """(T, distinct experts per sparse layer) measured on random prompts through the model's own routers."""
-    ids = np.random.default_rng(3).integers(0, target.cfg.vocab_size, size=(prompts, length))
-    routed = routed_experts(target.model, ids)
-    return [(t, distinct_experts(routed, t)) for t in tokens if t <= prompts * length]
 
 
 def bench_curve(dense, moe, tokens: list[int], cache_len: int, repeats: int) -> list[dict]:
     cpu = DEVICES["cpu"]
     roofs = {"dense": Roofline.for_config(dense.cfg, cpu, cache_len), "moe": Roofline.for_config(moe.cfg, cpu, cache_len)}
-    measured_routing = routing_curve(moe, tokens)
+    ids = np.random.default_rng(3).integers(0, moe.cfg.vocab_size, size=(8, 128)).tolist()
+    measured_routing = routing_curve(moe, ids, tokens)
     routed_roof = roofs["moe"].with_routing(measured_routing)
     rows = []
     for t in tokens:
@@ -167,8 +165,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cache-len", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="short sweeps (a smoke run, not a measurement)")
+    ap.add_argument("--paths-only", action="store_true", help="only the expert paths, on --preset's layer shape")
+    ap.add_argument("--preset", default="moe_cpu", choices=[k for k, v in PRESETS.items() if "num_experts" in v])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", default=None, help="tokens per pass, comma-separated (default 1..256 by powers of 2)")
     args = ap.parse_args(argv)
-    tokens = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
+        [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    if args.paths_only:
+        cfg = ModelConfig.from_hf(PRESETS[args.preset], dtype=args.dtype)
+        result = {"machine": machine_info(), "preset": args.preset, "dtype": args.dtype, "repeats": args.repeats,
+                  "gather_max_slots": GATHER_MAX_SLOTS, "paths": bench_paths(cfg, tokens, args.repeats)}
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+            print(f"wrote {args.out}")
+        return 0
     batches = [1, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     nodes = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     dense = random_model(PRESETS["moe_cpu_dense"], "float32", 0, "auto")

@@ -153,3 +153,34 @@ def test_hybrid_loops_lower_for_cuda_with_the_triton_kernel(pretend_gpu, tree):
                                       drafter=drafter).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert TRITON_CALL in text and "stablehlo.while" in text
+
+
+def qwen3_30b_a3b_shaped(layers: int) -> ModelConfig:
+    """Qwen3-30B-A3B's widths (bench preset qwen3_30b_a3b: 128 experts of 768, 8 per token) with few layers."""
+    from specjax.bench.ar import PRESETS
+
+    return ModelConfig.from_hf({**PRESETS["qwen3_30b_a3b"], "num_hidden_layers": layers}, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("tree", [None, kary([3, 2])], ids=["plain", "draft-tree"])
+def test_moe_loops_lower_for_cuda_with_the_triton_kernel(pretend_gpu, tree):
+    """Qwen3-30B-A3B widths, stacked layers under scan: the plain loop at batch 1 (decode by the gather path, prefill
+    by the sorted blocks) and a dense draft model's tree at batch 2 (verification by the sorted blocks) lower for
+    CUDA, attention through the kernel."""
+    from specjax.models.moe import expert_path
+
+    cfg = qwen3_30b_a3b_shaped(layers=2)
+    assert not cfg.mixed_layers and expert_path(cfg.moe, 1) == "gather" and expert_path(cfg.moe, 2) == "sorted"
+    lc = LoopConfig(cfg, SamplingConfig(), cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    if tree is None:
+        lowered = ar_generate.trace(abstract_params(cfg), *abstract_request(1, 64), lc=lc).lower(
+            lowering_platforms=("cuda",))
+    else:
+        draft_cfg = dataclasses.replace(llama3_8b_shaped(1, "bfloat16"), vocab_size=cfg.vocab_size)
+        drafter = DraftModelDrafter(draft_cfg, None, attn_impl="auto").configure(
+            Settings(tree, SamplingConfig(), 256, lc.out_len))
+        lowered = spec_generate.trace(abstract_params(cfg), abstract_params(draft_cfg), *abstract_request(2, 64),
+                                      lc=lc, drafter=drafter).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert TRITON_CALL in text and "stablehlo.while" in text
+    assert "stablehlo.sort" in text  # the sorted path's argsort of the slots by expert

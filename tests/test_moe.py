@@ -228,3 +228,51 @@ def test_stacked_layout_runs_uniform_moe_and_refuses_mixed(tmp_path):
     mixed = save_hf_model(build_moe("qwen3_moe"), tmp_path / "mixed")
     with pytest.raises(ValueError, match="layers differ.*per-layer"):
         specjax.load(mixed, layout="stacked")
+
+
+# ---- the expert-aware cost model ---------------------------------------------------------------------------
+
+
+def test_roofline_reads_the_experts_a_pass_routes_to():
+    """Shared weights once, per sparse layer E (1 - (1 - k/E)^T) experts (k at one token, all E at many); FLOPs of
+    the active params; so verify_s grows with nodes below the knee, where a dense model's stays flat."""
+    from specjax.planning.profile import DEVICES, QWEN3_30B_A3B, Roofline
+
+    cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
+    assert cfg.num_params() == pytest.approx(30.5e9, rel=0.01) and cfg.num_params(active=True) == pytest.approx(
+        3.35e9, rel=0.01)
+    roof = Roofline.for_config(cfg, DEVICES["h100"])
+    expert = 48 * 3 * 2048 * 768 * 2  # one expert of every layer, bf16
+    assert roof.expert_bytes == expert and roof.params == cfg.num_params(active=True)
+    assert roof.weights_read(1) == pytest.approx(roof.weight_bytes + 8 * expert)
+    assert roof.weights_read(4096) == pytest.approx(cfg.num_params() * 2, rel=1e-3)  # every expert read
+    assert roof.experts_read(16) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 16))
+    assert roof.verify_s(1, 16) > 5 * roof.verify_s(1, 1)  # 82 experts per layer instead of 8
+    dense = Roofline(roof.device, roof.params, 2 * roof.params)
+    assert dense.verify_s(1, 16) == dense.verify_s(1, 1) and roof.knee > 5 * dense.knee
+    measured = roof.with_routing([(1, 8.0), (16, 41.0)])  # a skewed router reads fewer experts than uniform
+    assert measured.experts_read(8) == pytest.approx(8 + (41 - 8) * 7 / 15)
+    assert measured.experts_read(64) == pytest.approx(128 * (1 - (1 - 41 / 128) ** 4))  # the last point's miss rate
+    assert measured.experts_read(100000) == pytest.approx(128)
+
+
+def test_routing_curve_counts_distinct_experts(pair):
+    from specjax.planning.profile import routing_curve
+
+    _, _, target = pair
+    prompts = np.random.default_rng(8).integers(3, 256, size=(3, 40)).tolist()
+    curve = dict(routing_curve(target, prompts))
+    assert curve[1] == 2.0 and max(curve) == 64  # 120 routed tokens: passes up to 64
+    assert all(curve[a] <= curve[b] <= 8 for a, b in zip(sorted(curve), sorted(curve)[1:]))
+
+
+def test_plan_moe_vs_dense_from_the_command_line(capsys):
+    """`specjax plan --model-only --moe`: at concurrency 1 the MoE's best draft is far shorter than the dense model's
+    (verifying more tokens reads more experts); at 64 it is longer (a batch already reads every expert)."""
+    from specjax.cli import main
+
+    assert main(["plan", "--model-only", "--moe", "--concurrency", "1,64", "--max-nodes", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 64 |")][-2:]
+    assert "shorter" in rows[0] and "longer" in rows[1], out
+    assert "Qwen3-30B-A3B (30.5B, 3.35B active)" in out

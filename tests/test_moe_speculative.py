@@ -185,3 +185,47 @@ def test_sampled_output_has_the_target_distribution(tree):
     assert not ok_draft and stat_draft > 3 * threshold
     probs = exact_distribution(target, sampling)
     assert probs.max() < 0.2 and np.isclose(probs.sum(), 1.0)
+
+
+# ---- SpecForge's EAGLE-3 head for Qwen3-30B-A3B ----------------------------------------------------------------
+
+# sgl-project/SpecForge configs/qwen3-30B-eagle3.json, as published (the fields specjax reads and the rest).
+SPECFORGE_QWEN3_30B_A3B_HEAD = {
+    "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 2048, "max_window_layers": 48,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 1, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.53.2", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936, "draft_vocab_size": 32000}
+
+
+def test_specforge_qwen3_30b_a3b_head_config_loads_as_published():
+    """head_dim 128 with hidden / heads = 64: q/k/v/o and RoPE are sized by head_dim, as SpecForge trains it."""
+    from specjax.convert.eagle3 import eagle3_config
+    from specjax.drafters.eagle3 import param_shapes
+    from specjax.planning.profile import QWEN3_30B_A3B
+
+    cfg = eagle3_config(SPECFORGE_QWEN3_30B_A3B_HEAD, ModelConfig.from_hf(QWEN3_30B_A3B))
+    assert cfg.head_dim == 128 and cfg.feature_layers == (2, 24, 45) and cfg.dtype == "bfloat16"
+    assert cfg.rope.theta == 1e6 and cfg.draft_vocab_size == 32000
+    layer = param_shapes(cfg)["layer"]
+    assert layer["wq"] == (4096, 32 * 128) and layer["wk"] == (4096, 4 * 128) and layer["wo"] == (32 * 128, 2048)
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
+def test_eagle3_head_with_its_own_head_dim_is_lossless(target, prompts, plain, tree, tmp_path):
+    """A tiny head shaped like SpecForge's (head_dim 32 with hidden / heads 16), written in its layout and loaded back
+    through load_drafter on an MoE target."""
+    from specjax.convert.export import export_eagle3
+    from specjax.drafters.eagle3 import Eagle3Config
+    from specjax.drafters.eagle3 import init_params as eagle_init
+
+    cfg = Eagle3Config(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=256,
+                       draft_vocab_size=256, target_hidden_size=64, feature_layers=(1, 2, 3), config_head_dim=32)
+    path = export_eagle3(cfg, eagle_init(cfg, jax.random.key(3), target.params["embed"]), tmp_path / "head")
+    assert json.loads((path / "config.json").read_text())["head_dim"] == 32
+    drafter = specjax.load_drafter(path, target)
+    assert drafter.cfg.head_dim == 32
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter, tree=tree)
+    assert out.tokens == plain.tokens

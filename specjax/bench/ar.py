@@ -38,7 +38,7 @@ from specjax.convert.hf import hf_to_params
 from specjax.generate import generate
 from specjax.models.model import init_params
 from specjax.models.target import Target
-from specjax.planning.profile import QWEN3_30B_A3B
+from specjax.planning.profile import DEVICES, QWEN3_30B_A3B, Roofline
 
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
                    rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -273,6 +273,7 @@ def run_gpu_bandwidth(bc: ArBenchConfig, log: Callable[[str], None] = print) -> 
     target = Target(params, cfg, hf_config=dict(PRESETS[bc.preset]), attn_impl=bc.attn_impl)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     embed_bytes = params["embed"].nbytes
+    roof = Roofline.for_config(cfg, DEVICES["h100"])  # bytes only: the device does not enter weights_read
     log("measuring device bandwidth ...")
     copy_bw = device_copy_bandwidth()
     rows = []
@@ -283,16 +284,19 @@ def run_gpu_bandwidth(bc: ArBenchConfig, log: Callable[[str], None] = print) -> 
         first_s, first_times, _, compile_first = _bench_specjax(target, prompt_BT, 1, bc.repeats)
         steps = bc.max_new_tokens - 1  # decode steps after the prefill's token
         step_s = max(full_s - first_s, 1e-12) / steps
+        # What one step reads: every weight of a dense model; an MoE's shared weights and the experts a batch of
+        # this size routes to under uniform routing (roofline experts_read).
+        read_bytes = roof.weights_read(batch)
         rows.append({
             "batch": batch, "specjax_s": full_s, "specjax_times_s": full_times,
             "specjax_tokens_per_s": batch * bc.max_new_tokens / full_s, "prefill_plus_one_s": first_s,
             "prefill_times_s": first_times, "specjax_compile_s": compile_full + compile_first,
             "decode_step_ms": 1e3 * step_s, "decode_tokens_per_s": batch / step_s,
-            "weight_read_GBps": param_bytes / step_s / 1e9,
+            "step_read_bytes": read_bytes, "weight_read_GBps": read_bytes / step_s / 1e9,
             # The embedding table is gathered (B rows), not read, when it is not tied to the head.
-            "weight_read_GBps_excl_embed": (param_bytes - (0 if cfg.tie_word_embeddings else embed_bytes))
+            "weight_read_GBps_excl_embed": (read_bytes - (0 if cfg.tie_word_embeddings else embed_bytes))
             / step_s / 1e9,
-            "fraction_of_copy_bw": param_bytes / step_s / copy_bw,
+            "fraction_of_copy_bw": read_bytes / step_s / copy_bw,
         })
     return {"rows": rows, "param_count": cfg.num_params(), "param_bytes": param_bytes, "embed_bytes": embed_bytes,
             "dtype": cfg.dtype, "init_s": init_s, "copy_bandwidth_GBps": copy_bw / 1e9, "copy_bytes": COPY_BYTES}

@@ -14,7 +14,8 @@ Configs may instead name them in `eagle_config.eagle_aux_hidden_state_layer_ids`
 as "output of layer i" = `hidden_states[i + 1]`. Either way the result is in HF
 hidden_states numbering, which is what `Drafter.feature_layers` uses.
 
-RoPE follows the original head: head_dim = hidden / heads; base = config `rope_theta` when
+RoPE follows the original head: head_dim from the config (SpecForge's Qwen3 heads: 128 with hidden / heads 64
+or 80), else hidden / heads; base = config `rope_theta` when
 present (or `rope_parameters.rope_theta`, the newer spelling), else 10000. Of the scalings,
 the original implements linear (which it builds with base 10000 whatever rope_theta says;
 kept) and dynamic NTK (not implemented here: refused).
@@ -105,12 +106,14 @@ def eagle3_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
                          "only 'silu' is implemented")
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
-    if hidden % heads or heads % kv_heads:
+    if (hf.get("head_dim") is None and hidden % heads) or heads % kv_heads:
         raise ValueError(f"the EAGLE-3 head's hidden_size={hidden}, num_attention_heads={heads}, "
-                         f"num_key_value_heads={kv_heads}: hidden must divide by heads and heads by kv heads")
-    if hf.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"the EAGLE-3 head's config.json head_dim={hf['head_dim']} differs from hidden_size / "
-                         f"num_attention_heads = {hidden // heads}, which the original head uses")
+                         f"num_key_value_heads={kv_heads}: heads must divide by kv heads, and without head_dim "
+                         "hidden by heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        raise ValueError(f"the EAGLE-3 head's config.json head_dim is {head_dim!r}; it must be an even integer "
+                         "(RoPE rotates pairs), or absent for hidden_size / num_attention_heads")
     target_hidden = hf.get("target_hidden_size") or hidden
     if target_hidden != target.hidden_size:
         field = "target_hidden_size" if hf.get("target_hidden_size") else "hidden_size"
@@ -126,7 +129,8 @@ def eagle3_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
         vocab_size=vocab, draft_vocab_size=hf.get("draft_vocab_size") or vocab, target_hidden_size=target_hidden,
         feature_layers=feature_layers_from_config(hf, target.num_layers),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope=head_rope(hf),
-        dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"))
+        dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"),
+        config_head_dim=head_dim if head_dim != hidden // heads else None)
 
 
 def read_head_tensors(model_dir: Path) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ Inference math (the SafeAILab/EAGLE `cnets.Model` forward, written in specjax's 
 
     first step:   h = fc(concat(g_low, g_mid, g_high))        3 x target hidden -> H, no bias
     every step:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))     embedding first, 2H
-                  q, k, v = x @ Wq, Wk, Wv; RoPE (head_dim = H / heads, the head's own base)
+                  q, k, v = x @ Wq, Wk, Wv; RoPE (the config's head_dim, else H / heads; the head's own base)
                   h' = h + o_proj(attention over the head's own KV cache)
                   h' = h' + mlp(post_attention_layernorm(h'))                 pre-norm output
                   logits = lm_head(norm(h'))                                  over the draft vocab
@@ -66,10 +66,13 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     dtype: str = "float32"
+    config_head_dim: int | None = None  # config.json head_dim when given (SpecForge's Qwen3 heads: 128)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """The config's head_dim, else hidden / heads: SpecForge's and SGLang's llama_eagle3.py size q/k/v/o and RoPE by
+        `getattr(config, "head_dim", hidden_size // num_attention_heads)`."""
+        return self.config_head_dim or self.hidden_size // self.num_heads
 
     @property
     def layer_cfg(self) -> ModelConfig:

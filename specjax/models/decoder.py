@@ -1,4 +1,7 @@
-"""The dense decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and Mistral, as Flax NNX modules.
+"""The decoder shared by Llama 3.x, Qwen2/2.5, Qwen3, Mistral and Qwen3-MoE, as Flax NNX modules.
+
+A layer's MLP half is a dense SwiGLU or, on a sparse layer of an MoE config, the mixture of experts of
+models/moe.py (`PreNormMLP`).
 
 The same `DecoderLayer` is Qwen3.5's gated full-attention layer (config flags: output gate, partial
 rotary, zero-centred norms); the hybrid model that interleaves it with Gated DeltaNet layers is

@@ -1,7 +1,7 @@
 """Parameter-free pieces of every layer (RMSNorm, RoPE, masks, cached attention) and the Param helper.
 
 The modules in decoder.py and the drafters' networks declare their weights with `param`, which
-attaches logical axis names (embed, heads, kv_heads, mlp, vocab, layers) as sharding metadata, so a
+attaches logical axis names (embed, heads, kv_heads, mlp, vocab, layers, experts) as sharding metadata, so a
 mesh can map them without renaming anything. Nothing here holds state.
 """
 

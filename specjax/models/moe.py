@@ -5,21 +5,20 @@ k, renormalised to sum 1 when the config says so, the weights cast to the model 
 and no token dropping: every token reaches all of its k experts, so the output is transformers'.
 
 The experts run under fixed shapes by one of three paths, all exact (they differ in summation order only):
-* "gather": each (token, expert) slot's expert matrices gathered ([N, k, D, I]) and applied by a batched
-  contraction. It reads exactly the k experts of each token and needs no sort: decode and verification
-  at small batch, where a grouped matmul's bookkeeping costs more than the slots.
+* "gather": every (token, expert) slot its own block of one row. It reads exactly the k experts of each
+  token and needs no sort: decode and verification at small batch, where a grouped matmul's bookkeeping
+  costs more than the slots.
 * "sorted": the N x k slots sorted by expert into blocks of `block_rows` rows, every block one expert's
-  (a block's unused rows are zeros), each block's expert matrices gathered once and the blocks run as one
-  batched matmul. At most min(S, S/R + E) blocks for S slots and R rows per block: each routed expert is
+  (a block's unused rows are zeros), each block's expert matrices read once (`expert_matmuls`). At most min(S, S/R + E) blocks for S slots and R rows per block: each routed expert is
   read about once per R of its tokens, and a padded row costs FLOPs only. R grows with the slots per
   expert (1 at decode sizes: the gather path plus a sort; up to 128 at prefill).
 * "ragged": the same sort as one `jax.lax.ragged_dot` per projection. XLA lowers ragged_dot on CPU and
   on NVIDIA GPUs (without --xla_gpu_experimental_use_ragged_dot_fusion) through its RaggedDotRewriter,
   a dense dot over a group-broadcast LHS: E times the FLOPs (xla/hlo/transforms/expanders/
   ragged_dot_rewriter.cc). It is kept for backends that lower it to a grouped GEMM, never chosen by "auto".
-There is no Pallas kernel here: the gather XLA does for the "sorted" path copies each block's expert
-matrices before the matmul (a fused grouped GEMM would read them in place); scripts/gpu_checks.sh times
-the paths on a GPU. `expert_path` picks one from the slot count (static under jit); scripts/bench_moe.py
+On a GPU the blocks run as XLA's gather of their expert matrices and one batched matmul: no Pallas kernel
+here, so the gathered matrices are copied before the matmul (a fused grouped GEMM reading them in place,
+as vLLM's Triton fused_moe does, would save that copy); scripts/gpu_checks.sh moe times the paths there. `expert_path` picks one from the slot count (static under jit); scripts/bench_moe.py
 measures where they cross on this CPU.
 """
 
@@ -31,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from specjax import kernels
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
 
@@ -58,11 +58,32 @@ def route(x_ND: jax.Array, router_DE: jax.Array, top_k: int, normalize: bool) ->
     return top_NK.astype(x_ND.dtype), experts_NK.astype(jnp.int32)
 
 
+def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
+    """Block b's rows through expert expert_B[b]'s SwiGLU: [B, R, D] -> [B, R, D].
+
+    On a GPU (or any accelerator) the blocks' expert matrices are gathered and applied as one batched matmul per
+    projection (two kernels whatever the block count). On the CPU a scan over the blocks reads each block's
+    expert in place (a dynamic index): XLA:CPU copies gathered weights at a few GB/s, and the scan was 5-10x
+    faster there (scripts/bench_moe.py, paths).
+    """
+    if jax.default_backend() == "cpu" and not kernels.on_gpu():
+        def block(_, xs):
+            x_RD, e = xs
+            gate = x_RD @ lax.dynamic_index_in_dim(w_gate_EDI, e, keepdims=False)
+            up = x_RD @ lax.dynamic_index_in_dim(w_up_EDI, e, keepdims=False)
+            return None, (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down_EID, e, keepdims=False)
+
+        return lax.scan(block, None, (x_BRD, expert_B))[1]
+    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, w_gate_EDI[expert_B])) * \
+        jnp.einsum("brd,bdi->bri", x_BRD, w_up_EDI[expert_B])
+    return jnp.einsum("bri,bid->brd", hidden_BRI, w_down_EID[expert_B])
+
+
 def gather_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
-    """The routed experts' weighted SwiGLU outputs [N, D], each slot's expert matrices gathered."""
-    gate_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_gate_EDI[experts_NK])
-    up_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_up_EDI[experts_NK])
-    out_NKD = jnp.einsum("nki,nkid->nkd", jax.nn.silu(gate_NKI) * up_NKI, w_down_EID[experts_NK])
+    """The routed experts' weighted SwiGLU outputs [N, D]: each (token, expert) slot a block of one row."""
+    n, k = experts_NK.shape
+    x_SRD = jnp.repeat(x_ND, k, axis=0)[:, None, :]
+    out_NKD = expert_matmuls(x_SRD, experts_NK.reshape(-1), w_gate_EDI, w_up_EDI, w_down_EID).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out_NKD, weights_NK)
 
 
@@ -75,7 +96,7 @@ def block_rows(slots: int, experts: int) -> int:
 
 
 def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
-    """The same as gather_experts, the slots sorted by expert into one-expert blocks run as a batched matmul."""
+    """The same as gather_experts, the slots sorted by expert into one-expert blocks of `block_rows` rows."""
     n, k = experts_NK.shape
     e, s = w_gate_EDI.shape[0], n * k
     rows = block_rows(s, e)
@@ -89,13 +110,10 @@ def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     rank_S = jnp.arange(s) - first_slot_E[expert_S]  # the slot's place among its expert's slots
     dest_S = (first_block_E[expert_S] + rank_S // rows) * rows + rank_S % rows
     x_BRD = jnp.zeros((num_blocks * rows, x_ND.shape[1]), x_ND.dtype).at[dest_S].set(x_ND[order_S // k])
-    x_BRD = x_BRD.reshape(num_blocks, rows, -1)
-    # each block's expert; blocks past the last used one hold zero rows (any expert, the last)
+    # each block's expert; blocks past the last used one hold zero rows (any expert: the last)
     expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(num_blocks), side="right"), e - 1)
-    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, w_gate_EDI[expert_B])) * \
-        jnp.einsum("brd,bdi->bri", x_BRD, w_up_EDI[expert_B])
-    out_SD = jnp.einsum("bri,bid->brd", hidden_BRI, w_down_EID[expert_B]).reshape(num_blocks * rows, -1)[dest_S]
-    out_SD = out_SD * weights_NK.reshape(-1)[order_S][:, None]
+    out_BRD = expert_matmuls(x_BRD.reshape(num_blocks, rows, -1), expert_B, w_gate_EDI, w_up_EDI, w_down_EID)
+    out_SD = out_BRD.reshape(num_blocks * rows, -1)[dest_S] * weights_NK.reshape(-1)[order_S][:, None]
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[order_S // k].add(out_SD)
 
 

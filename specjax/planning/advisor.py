@@ -38,7 +38,7 @@ from specjax.planning.planner import (
     shape_curve,
     shape_of,
 )
-from specjax.planning.profile import CostModel, cost_model, local_device, profile, save_profile
+from specjax.planning.profile import CostModel, cost_model, local_device, profile, routing_curve, save_profile
 
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 
@@ -123,7 +123,12 @@ def plan_main(args: argparse.Namespace) -> int:
         print(f"calibration ({len(prompts)} prompts, {cal.rounds} rounds, shape {len(spec.parents)} nodes): "
               f"p by rank {', '.join(f'{x:.3f}' for x in p)}; tau measured {cal.measured_tau:.3f}, "
               f"predicted {cal.predicted_tau:.3f} (positional model), {cal.predicted_tau_by_depth:.3f} (per depth)")
-        cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost)
+        routing = routing_curve(target, prompts) if target.cfg.moe is not None else None
+        if routing:
+            print("routing measured on the calibration prompts: distinct experts per sparse layer at "
+                  + ", ".join(f"{t} tokens {e:.1f}" for t, e in routing) + f" of {target.cfg.moe.num_experts}")
+            report["routing"] = routing
+        cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost, routing)
         if args.device is None:
             print(f"planning by the roofline of this device ({local_device()}), not by measurement (--roofline)")
         max_nodes = args.max_nodes or 64

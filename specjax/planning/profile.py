@@ -41,6 +41,7 @@ from specjax.decoding.request import bucket, round_cache_length
 from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
+from specjax.models.moe import distinct_experts, routed_experts
 from specjax.models.target import format_count
 
 
@@ -138,8 +139,10 @@ class Roofline:
         return dataclasses.replace(self, routing=tuple((int(t), float(e)) for t, e in sorted(routing)))
 
     def experts_read(self, tokens: int) -> float:
-        """Distinct experts one sparse layer reads in a pass of `tokens`: the measured curve (interpolated, then
-        uniform routing's shape past its end), else uniform routing's expectation; 0 for a dense model."""
+        """Distinct experts one sparse layer reads in a pass of `tokens`: the measured curve (interpolated; past its
+        end, each token missing an expert with the probability the last point implies, E (1 - f^(T / T_last)) with
+        f = 1 - D_last / E, which reaches every expert as T grows), else uniform routing's expectation; 0 for a
+        dense model."""
         if self.experts is None:
             return 0.0
         if not self.routing:
@@ -147,12 +150,15 @@ class Roofline:
         xs, ys = [t for t, _ in self.routing], [e for _, e in self.routing]
         if tokens <= xs[-1]:
             return interp(tokens, xs, ys)
-        scale = ys[-1] / self.experts.expected_experts(xs[-1])  # the measured skew carried past the last point
-        return min(float(self.experts.num_experts), scale * self.experts.expected_experts(tokens))
+        e = float(self.experts.num_experts)
+        return e * (1.0 - max(0.0, 1.0 - ys[-1] / e) ** (tokens / xs[-1]))
+
+    def weights_read(self, tokens: int) -> float:
+        """Bytes of the weights one pass of `tokens` touches (all of them for a dense model)."""
+        return self.weight_bytes + self.expert_bytes * self.experts_read(tokens)
 
     def weights_s(self, tokens: int) -> float:
-        """Seconds to read the weights one pass of `tokens` touches (all of them for a dense model)."""
-        return (self.weight_bytes + self.expert_bytes * self.experts_read(tokens)) / self.device.bandwidth
+        return self.weights_read(tokens) / self.device.bandwidth
 
     @property
     def knee(self) -> float:
@@ -200,6 +206,19 @@ def hybrid_bytes(cfg) -> tuple[float, float, float]:
     return float(state), float(node), float(6 * n * heads * dk * dv)
 
 
+ROUTING_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def routing_curve(target, prompts: Sequence[Sequence[int]], tokens: Sequence[int] = ROUTING_TOKENS
+                  ) -> list[tuple[int, float]]:
+    """(tokens per pass, distinct experts one sparse layer reads) measured through an MoE target's own routers on
+    `prompts` (each run alone), for the passes the routed tokens can fill: what `Roofline.with_routing` takes."""
+    per_prompt = [routed_experts(target.model, np.asarray([p], np.int32)) for p in prompts if len(p)]
+    routed = [np.concatenate([r[i].reshape(-1, r[i].shape[-1]) for r in per_prompt]) for i in range(len(per_prompt[0]))]
+    available = routed[0].shape[0]
+    return [(t, distinct_experts(routed, t)) for t in tokens if t <= available]
+
+
 def relative_draft(verify_s: Callable[[int, int], float], cost: float) -> Callable[[int, int], float]:
     """Drafting one level costs `cost` x one target step at that batch (verify_s(batch, 1))."""
     if cost < 0:
@@ -225,19 +244,25 @@ def local_device() -> str:
     return "cpu"
 
 
-def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: float | None) -> CostModel:
-    """A profile JSON (path), or a roofline on a known device for this target and (when it has a config) draft model."""
+def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: float | None,
+               routing: Sequence[tuple[int, float]] | None = None) -> CostModel:
+    """A profile JSON (path), or a roofline on a known device for this target and (when it has a config) draft model;
+    an MoE target's roofline reads the experts of `routing` (measured, `routing_curve`) or of uniform routing."""
     if device.endswith(".json") or Path(device).is_file():
         return load_profile(device, profile_key_for(target_cfg, device)).cost(cache_len)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)} or a profile JSON file, got {device!r}")
     roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len)
+    if routing:
+        roof = roof.with_routing(routing)
     if draft_cost is not None:
         draft, what = relative_draft(roof.verify_s, draft_cost), f"{draft_cost:g} x target step per level"
     else:
         draft, what = drafter_roofline(drafter, DEVICES[device], cache_len)
+    experts = "" if roof.experts is None else \
+        f", experts read by {'measured' if roof.routing else 'uniform'} routing"
     return CostModel(roof.verify_s, draft, f"roofline {roof.device.name}, knee {roof.knee:.0f} tokens/pass, "
-                                           f"cache {cache_len}; {what}", roof.plain_s)
+                                           f"cache {cache_len}{experts}; {what}", roof.plain_s)
 
 
 def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Callable[[int, int], float], str]:
