@@ -170,8 +170,8 @@ def fuse_expert_tensors(tensors: dict) -> dict:
     mlp.experts.gate_up_proj [E, 2I, D] (gate rows, then up) and mlp.experts.down_proj [E, D, I]."""
     import re
 
-    out = {k: v for k, v in tensors.items() if not re.search(r"\.mlp\.experts\.\d+\.", k)}
-    prefixes = sorted({m.group(1) for k in tensors if (m := re.match(r"(.*\.mlp\.experts\.)\d+\.", k))})
+    out = {k: v for k, v in tensors.items() if not re.search(r"(^|\.)mlp\.experts\.\d+\.", k)}
+    prefixes = sorted({m.group(1) for k in tensors if (m := re.match(r"(.*?mlp\.experts\.)\d+\.", k))})
     for p in prefixes:
         n = len({k for k in tensors if k.startswith(p) and k.endswith("down_proj.weight")})
         gate = np.stack([tensors[f"{p}{j}.gate_proj.weight"] for j in range(n)])

@@ -84,7 +84,7 @@ def test_logits_match_transformers(pair, t):
 @pytest.mark.parametrize("one_expert", [False, True], ids=["spread", "all-on-expert-5"])
 def test_expert_paths_equal_every_expert_on_every_token(tokens, one_expert):
     """Each path against the dense definition (every expert on every token, weighted by the routing matrix), from
-    one slot per expert up to blocks of 64 rows, and every slot on one expert (one full group, the rest empty)."""
+    blocks of one row up to 32 rows, and every slot on one expert (one full group, the rest empty)."""
     e, k, d, i = 8, 2, 16, 12
     keys = jax.random.split(jax.random.key(tokens), 5)
     x = jax.random.normal(keys[0], (tokens, d))
@@ -100,7 +100,7 @@ def test_expert_paths_equal_every_expert_on_every_token(tokens, one_expert):
     every_NED = jnp.einsum("nei,eid->ned", jax.nn.silu(jnp.einsum("nd,edi->nei", x, w_gate))
                            * jnp.einsum("nd,edi->nei", x, w_up), w_down)
     want = jnp.einsum("ned,ne->nd", every_NED, dense_NE)
-    assert block_rows(tokens * k, e) == {1: 1, 3: 1, 50: 8, 700: 128}[tokens]
+    assert block_rows(tokens * k, e) == {1: 1, 3: 2, 50: 8, 700: 32}[tokens]  # sqrt(S / E x 13 rows per read)
     for name, fn in EXPERT_PATHS.items():
         np.testing.assert_allclose(np.asarray(jax.jit(fn)(x, weights, experts, w_gate, w_up, w_down)),
                                    np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)

@@ -122,17 +122,24 @@ def test_moe_mtp_layers_are_read(mtp_target):
 
 
 def test_moe_mtp_block_is_transformers_decoder_layer(mtp_target):
-    """The MTP block (a sparse full-attention layer) against transformers' own decoder layer holding its weights."""
+    """The MTP block (a sparse full-attention layer) against transformers' own decoder layer holding its weights
+    (fused experts, as transformers holds them in memory)."""
     import transformers
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
     arch, target, added = mtp_target
-    if arch != "qwen3_5_moe":
-        pytest.skip("transformers' Qwen3-Next layer holds fused experts; the per-expert copy is checked by load")
-    config = transformers.Qwen3_5MoeTextConfig(**{**json.loads((target.path / "config.json").read_text())})
-    layer = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer(config, 3).eval()
-    layer.load_state_dict({k[len("mtp.layers.0."):]: torch.tensor(v) for k, v in added.items()
-                           if k.startswith("mtp.layers.0.")})
-    rotary = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding(config)
+    hf = json.loads((target.path / "config.json").read_text())
+    if arch == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(**hf)
+        layer, rotary = modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer(config, 3), \
+            modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding(config)
+    else:
+        config = transformers.Qwen3NextConfig(**hf)
+        layer, rotary = modeling_qwen3_next.Qwen3NextDecoderLayer(config, 3), \
+            modeling_qwen3_next.Qwen3NextRotaryEmbedding(config)
+    block = fuse_expert_tensors({k[len("mtp.layers.0."):]: v for k, v in added.items() if k.startswith("mtp.layers.0.")})
+    layer.eval().load_state_dict({k: torch.tensor(v) for k, v in block.items()})
     x = np.random.default_rng(2).standard_normal((1, 9, 64)).astype(np.float32)
     positions = torch.arange(9)[None]
     causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]  # eager attention's additive mask

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) as a Flax NNX module, and its two expert paths.
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) as a Flax NNX module, and its expert paths.
 
 Routing follows transformers' Qwen3MoeTopKRouter: softmax over every expert's logit (in fp32 here), the top
 k, renormalised to sum 1 when the config says so, the weights cast to the model dtype. No capacity factor
@@ -6,20 +6,19 @@ and no token dropping: every token reaches all of its k experts, so the output i
 
 The experts run under fixed shapes by one of three paths, all exact (they differ in summation order only):
 * "gather": every (token, expert) slot its own block of one row. It reads exactly the k experts of each
-  token and needs no sort: decode and verification at small batch, where a grouped matmul's bookkeeping
-  costs more than the slots.
-* "sorted": the N x k slots sorted by expert into blocks of `block_rows` rows, every block one expert's
-  (a block's unused rows are zeros), each block's expert matrices read once (`expert_matmuls`). At most min(S, S/R + E) blocks for S slots and R rows per block: each routed expert is
-  read about once per R of its tokens, and a padded row costs FLOPs only. R grows with the slots per
-  expert (1 at decode sizes: the gather path plus a sort; up to 128 at prefill).
+  token and needs no sort: decode at batch 1, where a sort's bookkeeping costs more than the slots.
+* "sorted": the N x k slots sorted by expert into one-expert blocks of `block_rows` rows (a block's unused
+  rows are zeros), at most min(S, S/R + E) blocks for S slots: each routed expert is read about once per R
+  of its tokens, a padded row costs FLOPs only, and R trades one against the other.
 * "ragged": the same sort as one `jax.lax.ragged_dot` per projection. XLA lowers ragged_dot on CPU and
   on NVIDIA GPUs (without --xla_gpu_experimental_use_ragged_dot_fusion) through its RaggedDotRewriter,
   a dense dot over a group-broadcast LHS: E times the FLOPs (xla/hlo/transforms/expanders/
   ragged_dot_rewriter.cc). It is kept for backends that lower it to a grouped GEMM, never chosen by "auto".
-On a GPU the blocks run as XLA's gather of their expert matrices and one batched matmul: no Pallas kernel
-here, so the gathered matrices are copied before the matmul (a fused grouped GEMM reading them in place,
-as vLLM's Triton fused_moe does, would save that copy); scripts/gpu_checks.sh moe times the paths there. `expert_path` picks one from the slot count (static under jit); scripts/bench_moe.py
-measures where they cross on this CPU.
+Blocks run through `expert_matmuls`. On a GPU that is XLA's gather of the blocks' expert matrices and one
+batched matmul: no Pallas kernel here, so the gathered matrices are copied before the matmul (a fused
+grouped GEMM reading them in place, as vLLM's Triton fused_moe does, would save the copy); scripts/
+gpu_checks.sh moe times the paths there. `expert_path` picks a path from the slot count (static under jit);
+scripts/bench_moe.py measures where they cross on this CPU.
 """
 
 from __future__ import annotations
@@ -36,10 +35,14 @@ from specjax.models.layers import normal, param, swiglu
 
 PATHS = ("auto", "gather", "sorted", "ragged")
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
-# batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU the two are within
-# 10% there and the sorted path is 2-4x faster from 64 slots on (scripts/bench_moe.py, paths).
+# batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU both run the same
+# loop over one-row blocks there and time alike (0.8-0.9 ms for one token of a 32-expert layer); from 64 slots
+# the sorted path's larger blocks are 2-10x faster (scripts/bench_moe.py, paths).
 GATHER_MAX_SLOTS = 8
 MAX_BLOCK_ROWS = 128
+# Rows of compute that cost as much as reading one expert's matrices once (peak FLOP/s x bytes per weight /
+# (2 x bandwidth)): the 2-core CPU in fp32 (200 GFLOP/s, 31 GB/s: planning/profile.py DEVICES) and an H100 in bf16.
+ROWS_PER_READ = {"cpu": 13, "gpu": 150}
 
 
 def expert_path(moe: MoeConfig, tokens: int) -> str:
@@ -58,22 +61,26 @@ def route(x_ND: jax.Array, router_DE: jax.Array, top_k: int, normalize: bool) ->
     return top_NK.astype(x_ND.dtype), experts_NK.astype(jnp.int32)
 
 
-def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
-    """Block b's rows through expert expert_B[b]'s SwiGLU: [B, R, D] -> [B, R, D].
+def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, w_down_EID,
+                   used_blocks: jax.Array | int | None = None) -> jax.Array:
+    """Block b's rows through expert expert_B[b]'s SwiGLU: [B, R, D] -> [B, R, D]. Blocks from `used_blocks` on
+    hold only zero rows (their output is zero).
 
     On a GPU (or any accelerator) the blocks' expert matrices are gathered and applied as one batched matmul per
-    projection (two kernels whatever the block count). On the CPU a scan over the blocks reads each block's
-    expert in place (a dynamic index): XLA:CPU copies gathered weights at a few GB/s, and the scan was 5-10x
-    faster there (scripts/bench_moe.py, paths).
+    projection (two kernels whatever the block count). On the CPU a loop over the used blocks reads each one's
+    expert in place (a dynamic index) and never touches the rest: XLA:CPU copies gathered weights at a few GB/s,
+    and the loop was 5-10x faster there (scripts/bench_moe.py, paths).
     """
     if jax.default_backend() == "cpu" and not kernels.on_gpu():
-        def block(_, xs):
-            x_RD, e = xs
+        def block(b, out_BRD):
+            x_RD, e = lax.dynamic_index_in_dim(x_BRD, b, keepdims=False), expert_B[b]
             gate = x_RD @ lax.dynamic_index_in_dim(w_gate_EDI, e, keepdims=False)
             up = x_RD @ lax.dynamic_index_in_dim(w_up_EDI, e, keepdims=False)
-            return None, (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down_EID, e, keepdims=False)
+            y_RD = (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down_EID, e, keepdims=False)
+            return lax.dynamic_update_index_in_dim(out_BRD, y_RD.astype(out_BRD.dtype), b, 0)
 
-        return lax.scan(block, None, (x_BRD, expert_B))[1]
+        used = x_BRD.shape[0] if used_blocks is None else used_blocks
+        return lax.fori_loop(0, used, block, jnp.zeros_like(x_BRD))
     hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, w_gate_EDI[expert_B])) * \
         jnp.einsum("brd,bdi->bri", x_BRD, w_up_EDI[expert_B])
     return jnp.einsum("bri,bid->brd", hidden_BRI, w_down_EID[expert_B])
@@ -87,10 +94,17 @@ def gather_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     return jnp.einsum("nkd,nk->nd", out_NKD, weights_NK)
 
 
-def block_rows(slots: int, experts: int) -> int:
-    """Rows per expert block of the sorted path: the power of two nearest below slots / experts, in 1..128."""
+def block_rows(slots: int, experts: int, rows_per_read: int | None = None) -> int:
+    """Rows per expert block of the sorted path, a power of two in 1..128 near sqrt(slots / experts x rows_per_read).
+
+    S slots in blocks of R rows cost about (S/R + E) expert reads and (S + E R) rows of compute (the last block
+    of each expert is padded); with one read worth `rows_per_read` rows the sum is least at that R.
+    """
+    if rows_per_read is None:
+        rows_per_read = ROWS_PER_READ["gpu" if kernels.on_gpu() else "cpu"]
+    best = (slots / experts * rows_per_read) ** 0.5
     rows = 1
-    while rows * 2 <= slots // experts and rows < MAX_BLOCK_ROWS:
+    while rows * 2 <= best and rows < MAX_BLOCK_ROWS:
         rows *= 2
     return rows
 
@@ -110,9 +124,11 @@ def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     rank_S = jnp.arange(s) - first_slot_E[expert_S]  # the slot's place among its expert's slots
     dest_S = (first_block_E[expert_S] + rank_S // rows) * rows + rank_S % rows
     x_BRD = jnp.zeros((num_blocks * rows, x_ND.shape[1]), x_ND.dtype).at[dest_S].set(x_ND[order_S // k])
-    # each block's expert; blocks past the last used one hold zero rows (any expert: the last)
+    # each block's expert; blocks past the last used one hold zero rows (any expert: the last; skipped on the CPU)
+    used_blocks = jnp.sum(blocks_E)
     expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(num_blocks), side="right"), e - 1)
-    out_BRD = expert_matmuls(x_BRD.reshape(num_blocks, rows, -1), expert_B, w_gate_EDI, w_up_EDI, w_down_EID)
+    out_BRD = expert_matmuls(x_BRD.reshape(num_blocks, rows, -1), expert_B, w_gate_EDI, w_up_EDI, w_down_EID,
+                             used_blocks)
     out_SD = out_BRD.reshape(num_blocks * rows, -1)[dest_S] * weights_NK.reshape(-1)[order_S][:, None]
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[order_S // k].add(out_SD)
 
