@@ -6,7 +6,8 @@
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s) and the MoE part's to 585 s (9 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s) and the moe part's to 555 s (9 min 15 s), under the device's 10-minute limit
+# per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -47,10 +48,10 @@ step hybrid_gpu_tests timeout 40 python -m pytest -q tests/test_gpu_path.py -k h
 elif [ "${1:-}" = "moe" ]; then
 # M1. Qwen3-30B-A3B shapes, bf16 (61 GB of weights), decode at B = 1, 8: the bandwidth of what a step reads (shared
 #     weights and the experts its tokens route to; weight_read_GBps counts those bytes, not all 30.5B).
-step bench_ar_moe timeout 180 python scripts/bench.py ar --preset qwen3_30b_a3b --batch 1 8 \
+step bench_ar_moe timeout 160 python scripts/bench.py ar --preset qwen3_30b_a3b --batch 1 8 \
     --out "$out/bench_ar_moe.json"
 # M2. Verify round cost against nodes per row (1, 4, 16, 64) at B = 1, 8, cache 1024: the expert-read curve.
-step profile_moe timeout 200 python scripts/profile_preset.py --preset qwen3_30b_a3b --batches 1,8 \
+step profile_moe timeout 190 python scripts/profile_preset.py --preset qwen3_30b_a3b --batches 1,8 \
     --nodes 1,4,16,64 --out "$out/profile_moe.json"
 # M3. The expert paths (gather, sorted blocks, ragged_dot) on one layer's shape, 1 to 4096 tokens per pass.
 step bench_moe_paths timeout 120 python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 \

@@ -105,18 +105,22 @@ def test_gpu_checks_exits_zero_when_every_step_succeeds(tmp_path):
 
 
 def test_gpu_checks_header_states_the_sum_of_its_timeouts():
-    """Each part (dense: no argument; `hybrid`) runs the common steps and its own branch: its stated sum holds."""
+    """Each part (dense: no argument; `hybrid`; `moe`) runs the common steps and its own branch: its stated sum
+    holds."""
     text = GPU_CHECKS.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     common, rest = code.split('if [ "${1:-}" = "hybrid" ]; then')
-    hybrid, dense = rest.split("\nelse\n", 1)
+    hybrid, rest = rest.split('elif [ "${1:-}" = "moe" ]; then', 1)
+    moe, dense = rest.split("\nelse\n", 1)
 
     def total(part: str) -> int:
         return sum(int(t) for t in re.findall(r"\btimeout (\d+)\b", part))
 
-    stated = re.search(r"dense part's timeouts add up to (\d+) s \((\d+) min (\d+) s\) and the\n# hybrid part's "
-                       r"to (\d+) s \((\d+) min (\d+) s\)", text)
-    assert stated, "the header must state each part's sum: 'N s (M min S s)'"
-    for part, (s, m, sec) in ((common + dense, stated.groups()[:3]), (common + hybrid, stated.groups()[3:])):
-        assert int(s) == total(part) and int(m) * 60 + int(sec) == total(part)
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    for name, branch in (("dense", dense), ("hybrid", hybrid), ("moe", moe)):
+        stated = re.search(rf"{name} part's (?:timeouts add up )?to (\d+) s \((\d+) min (\d+) s\)", header)
+        assert stated, f"the header must state the {name} part's sum: 'N s (M min S s)'"
+        s, m, sec = stated.groups()
+        part = common + branch
+        assert int(s) == total(part) and int(m) * 60 + int(sec) == total(part), name
         assert total(part) < 570, "the device allows 10 minutes a command; keep each part under 9.5"
