@@ -32,21 +32,9 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from specjax.bench.ar import interleaved_medians  # noqa: E402
 from specjax.decoding.tree import ancestor_mask, parse_tree, spec_arrays  # noqa: E402
 from specjax.models import gdn  # noqa: E402
-
-
-def median_times(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each zero-argument function, calls interleaved (each compiled and run once first)."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def rule_inputs(b, t, heads, dk, dv, seed=0):
@@ -75,7 +63,7 @@ def bench_prefill(args) -> dict:
         inputs = rule_inputs(1, t, args.value_heads, args.dk, args.dv)
         chunked = jax.jit(gdn.chunked_rule)
         recurrent = jax.jit(recurrent_sequence)
-        got = median_times({"chunked": lambda: chunked(*inputs), "recurrent": lambda: recurrent(*inputs)},
+        got = interleaved_medians({"chunked": lambda: chunked(*inputs), "recurrent": lambda: recurrent(*inputs)},
                            args.repeats)
         err = float(jnp.max(jnp.abs(chunked(*inputs)[0] - recurrent(*inputs)[0])))
         out[str(t)] = {**got, "recurrent_over_chunked": got["recurrent"] / got["chunked"], "max_abs_diff": err}
@@ -122,7 +110,7 @@ def bench_verify(args) -> dict:
             o, states = per_node_states(q, k, v, g, beta, s0, parents)
             return o, states[num - 1, jnp.arange(args.batch)]
 
-        got = median_times({"masked_block": lambda: masked_then_commit(*inputs),
+        got = interleaved_medians({"masked_block": lambda: masked_then_commit(*inputs),
                             "state_per_node": lambda: states_then_pick(*inputs)}, args.repeats)
         a, b = masked_then_commit(*inputs), states_then_pick(*inputs)
         err = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b))

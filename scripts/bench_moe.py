@@ -23,32 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.bench.ar import PRESETS, machine_info
+from specjax.bench.ar import PRESETS, interleaved_medians, machine_info
 from specjax.bench.spec import random_model
 from specjax.config import ModelConfig
 from specjax.models.moe import EXPERT_PATHS, GATHER_MAX_SLOTS, block_rows, route
 from specjax.planning.planner import format_plan, geometric_acceptance, plan
 from specjax.planning.profile import DEVICES, Roofline, profile, routing_curve, time_verify_round
-
-
-def median_times(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each zero-argument function, calls interleaved (each compiled and run once first)."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int, max_gather_slots: int = 2048) -> list[dict]:
@@ -66,7 +52,7 @@ def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int, max_gather_sl
         weights, experts = route(x, router, moe.top_k, moe.norm_topk_prob)
         paths = {k: v for k, v in EXPERT_PATHS.items() if k != "gather" or n * moe.top_k <= max_gather_slots}
         fns = {name: (lambda f=jax.jit(fn): f(x, weights, experts, w_gate, w_up, w_down)) for name, fn in paths.items()}
-        t = median_times(fns, repeats)
+        t = interleaved_medians(fns, repeats)
         rows.append({"tokens": n, "slots": n * moe.top_k, "block_rows": block_rows(n * moe.top_k, e),
                      **{f"{k}_ms": v * 1e3 for k, v in t.items()}, "faster": min(t, key=t.get)})
         print(f"paths  tokens {n:5d} ({n * moe.top_k:6d} slots): "
@@ -76,7 +62,7 @@ def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int, max_gather_sl
 
 def bench_curve(dense, moe, tokens: list[int], cache_len: int, repeats: int) -> list[dict]:
     cpu = DEVICES["cpu"]
-    roofs = {"dense": Roofline.for_config(dense.cfg, cpu, cache_len), "moe": Roofline.for_config(moe.cfg, cpu, cache_len)}
+    roofs = {name: Roofline.for_config(t.cfg, cpu, cache_len) for name, t in (("dense", dense), ("moe", moe))}
     ids = np.random.default_rng(3).integers(0, moe.cfg.vocab_size, size=(8, 128)).tolist()
     measured_routing = routing_curve(moe, ids, tokens)
     routed_roof = roofs["moe"].with_routing(measured_routing)
@@ -143,7 +129,8 @@ def plot(result: dict, path: str) -> None:
     for name, color in (("dense", "tab:blue"), ("moe", "tab:red")):
         ax1.plot(t, [r[f"{name}_ms"] for r in curve], "o-", color=color, label=f"{name} measured")
         ax1.plot(t, [r[f"{name}_roofline_ms"] for r in curve], "--", color=color, label=f"{name} roofline")
-    ax1.plot(t, [r["moe_routed_roofline_ms"] for r in curve], ":", color="tab:red", label="moe roofline, measured routing")
+    ax1.plot(t, [r["moe_routed_roofline_ms"] for r in curve], ":", color="tab:red",
+             label="moe roofline, measured routing")
     ax1.set(xscale="log", yscale="log", xlabel="tokens per verify pass", ylabel="ms per verify round",
             title="verify cost vs tokens per pass (this CPU)")
     ax1.legend(fontsize=7)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_tiny import build_qwen35, save_hf_model
+from hf_tiny import assert_greedy_matches_transformers, build_qwen35, save_hf_model
 
 import specjax
 from specjax.config import ModelConfig
@@ -79,15 +79,7 @@ def test_greedy_generation_matches_transformers(pair):
     """64 tokens on a ragged batch (right-padded prompts of 3, 37 and 70 tokens: padding must not reach the state),
     each row against transformers' generate of that prompt alone."""
     _, hf_model, target = pair
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, target.cfg.vocab_size, size=n).tolist() for n in (3, 37, 70)]
-    out = specjax.generate(target, prompts, max_new_tokens=64, eos_token_id=[])
-    for prompt, tokens in zip(prompts, out.tokens):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == ref
-    assert all(len(set(t)) > 16 for t in out.tokens)  # not one token repeated
+    assert_greedy_matches_transformers(hf_model, target)
 
 
 def test_hidden_state_capture_follows_transformers_numbering(pair):

@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_tiny import build_moe, fuse_expert_tensors, save_fused_experts, save_hf_model
+from hf_tiny import (
+    assert_greedy_matches_transformers,
+    build_moe,
+    fuse_expert_tensors,
+    hf_greedy,
+    save_fused_experts,
+    save_hf_model,
+)
 from safetensors.numpy import load_file, save_file
 
 import specjax
@@ -109,15 +116,7 @@ def test_expert_paths_equal_every_expert_on_every_token(tokens, one_expert):
 def test_greedy_generation_matches_transformers(pair):
     """64 tokens on a ragged batch (prompts of 3, 37 and 70 tokens), each row against transformers' generate."""
     _, hf_model, target = pair
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, target.cfg.vocab_size, size=n).tolist() for n in (3, 37, 70)]
-    out = specjax.generate(target, prompts, max_new_tokens=64, eos_token_id=[])
-    for prompt, tokens in zip(prompts, out.tokens):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == ref
-    assert all(len(set(t)) > 16 for t in out.tokens)
+    assert_greedy_matches_transformers(hf_model, target)
 
 
 def test_routing_corner_cases(pair):
@@ -147,10 +146,7 @@ def test_every_token_on_one_expert(arch, tmp_path):
         np.testing.assert_allclose(np.asarray(ours), ref, atol=LOGIT_ATOL, rtol=0, err_msg=impl)
     prompt = tokens[0, :9].tolist()
     out = specjax.generate(target, [prompt], max_new_tokens=24, eos_token_id=[])
-    with torch.no_grad():
-        want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.tokens[0] == want
+    assert out.tokens[0] == hf_greedy(hf_model, prompt, 24)
 
 
 def test_fused_and_per_expert_tensors_load_the_same(tmp_path):
@@ -159,7 +155,8 @@ def test_fused_and_per_expert_tensors_load_the_same(tmp_path):
     hf_model = build_moe("qwen3_moe")
     path = save_hf_model(hf_model, tmp_path / "per_expert")
     fused = fuse_expert_tensors(load_file(path / "model.safetensors"))
-    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and "model.layers.0.mlp.experts.0.up_proj.weight" not in fused
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    assert "model.layers.0.mlp.experts.0.up_proj.weight" not in fused
     (tmp_path / "fused").mkdir()
     save_file(fused, tmp_path / "fused" / "model.safetensors")
     (tmp_path / "fused" / "config.json").write_text((path / "config.json").read_text())

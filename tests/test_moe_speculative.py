@@ -138,7 +138,8 @@ def test_moe_mtp_block_is_transformers_decoder_layer(mtp_target):
         config = transformers.Qwen3NextConfig(**hf)
         layer, rotary = modeling_qwen3_next.Qwen3NextDecoderLayer(config, 3), \
             modeling_qwen3_next.Qwen3NextRotaryEmbedding(config)
-    block = fuse_expert_tensors({k[len("mtp.layers.0."):]: v for k, v in added.items() if k.startswith("mtp.layers.0.")})
+    prefix = "mtp.layers.0."
+    block = fuse_expert_tensors({k[len(prefix):]: v for k, v in added.items() if k.startswith(prefix)})
     layer.eval().load_state_dict({k: torch.tensor(v) for k, v in block.items()})
     x = np.random.default_rng(2).standard_normal((1, 9, 64)).astype(np.float32)
     positions = torch.arange(9)[None]

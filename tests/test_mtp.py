@@ -366,7 +366,8 @@ def test_missing_and_unknown_mtp_tensors_are_refused(base_dir, tmp_path):
              edit=drop)
     moe = lambda t: {**t, "model.layers.2.mlp.experts.0.up_proj.weight": np.zeros((4, 4), np.float32)}  # noqa: E731
     _refused(base_dir, tmp_path / "b", "deepseek", r"1 MTP tensor\(s\) specjax does not know: "
-                                                   r"'model.layers.2.mlp.experts.0.up_proj.weight'.*experts on an MoE target", edit=moe)
+                                                   r"'model.layers.2.mlp.experts.0.up_proj.weight'.*experts on an "
+                                                   r"MoE target", edit=moe)
 
 
 def test_layer_count_disagreeing_with_the_config_is_refused(base_dir, tmp_path):

@@ -144,6 +144,20 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float
     return statistics.median(times), times, result
 
 
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each zero-argument function, calls interleaved (each compiled and run once first), so a
+    slow spell of a shared machine lands on every entry alike."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> np.ndarray:
     """[batch, length] token ids, avoiding the low special ids."""
     return np.random.default_rng(seed).integers(3, vocab, size=(batch, length), dtype=np.int64)

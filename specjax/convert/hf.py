@@ -90,7 +90,8 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
     if cfg.is_hybrid:
         return take_hybrid_params(take, tensors, cfg), used
     if cfg.mixed_layers:  # dense and sparse layers (mlp_only_layers): per-layer shapes
-        layers = {i: take_layer(take, tensors, f"model.layers.{i}.", shapes["layers"][i]) for i in range(cfg.num_layers)}
+        layers = {i: take_layer(take, tensors, f"model.layers.{i}.", shapes["layers"][i])
+                  for i in range(cfg.num_layers)}
     else:
         one = jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=lambda x: isinstance(x, tuple))
         per_layer = [take_layer(take, tensors, f"model.layers.{i}.", one) for i in range(cfg.num_layers)]

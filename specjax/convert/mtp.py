@@ -240,7 +240,8 @@ def check_stored(stored: dict, cfg: ModelConfig) -> None:
                 raise ValueError(f"MTP param '{k}' has shape {tuple(fs[k].shape)} but the target's hidden_size {h} "
                                  f"implies {s}")
     for j, layer in stored["layers"].items():
-        want = jax.tree.leaves_with_path(block_shapes(cfg, "moe" in layer["block"]), is_leaf=lambda x: isinstance(x, tuple))
+        want = jax.tree.leaves_with_path(block_shapes(cfg, "moe" in layer["block"]),
+                                         is_leaf=lambda x: isinstance(x, tuple))
         for path, s in want:
             got = layer["block"]
             for key in path:

@@ -142,7 +142,8 @@ def hybrid_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of take_hybrid_params: transformers' Qwen3_5(Moe)ForCausalLM / Qwen3NextForCausalLM tensors
     ([out, in]), names under `model.` (the text-only layout; a multimodal source is exported as its text model).
     Experts are written as their family publishes them (fused for Qwen3.5-MoE, per expert for Qwen3-Next)."""
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+           "model.norm.weight": np.asarray(params["final_norm"])}
     fused_projections = cfg.family == "qwen3_next"
     for i in range(cfg.num_layers):
         layer, where = params["layers"][i], f"model.layers.{i}."

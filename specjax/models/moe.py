@@ -167,7 +167,8 @@ class MoeMLP(nnx.Module):
 
         self.record = False  # routing_counts sets it: each call then sows its expert ids (nnx.Intermediate "routed")
         self.router = weight((d, e), "embed", None)
-        self.w_gate, self.w_up = weight((e, d, i), "experts", "embed", "mlp"), weight((e, d, i), "experts", "embed", "mlp")
+        self.w_gate = weight((e, d, i), "experts", "embed", "mlp")
+        self.w_up = weight((e, d, i), "experts", "embed", "mlp")
         self.w_down = weight((e, i, d), "experts", "mlp", "embed")
         if moe.shared_size:
             s = moe.shared_size
@@ -218,7 +219,8 @@ def distinct_experts(routed: list[np.ndarray], tokens: int, samples: int = 64, s
     for experts_BTK in routed:
         flat_NK = experts_BTK.reshape(-1, experts_BTK.shape[-1])
         if tokens > flat_NK.shape[0]:
-            raise ValueError(f"a pass of {tokens} tokens needs at least that many routed tokens, got {flat_NK.shape[0]}")
+            raise ValueError(f"a pass of {tokens} tokens needs at least that many routed tokens, "
+                             f"got {flat_NK.shape[0]}")
         for _ in range(samples):
             pick = rng.choice(flat_NK.shape[0], size=tokens, replace=False)
             counts.append(len(np.unique(flat_NK[pick])))
