@@ -37,6 +37,7 @@ _ARCHITECTURES = {
 }
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
+MOE_IMPLS = ("auto", "gather", "sorted", "ragged")  # the expert paths of models/moe.py
 LAYER_TYPES = ("full_attention", "linear_attention")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -96,6 +97,10 @@ class MoeConfig:
     sparse_layers: tuple[int, ...] = ()
     impl: str = "auto"  # the expert path (models/moe.py): "auto" by tokens per pass, "gather", "sorted", "ragged"
 
+    def __post_init__(self):
+        if self.impl not in MOE_IMPLS:
+            raise ValueError(f"MoeConfig impl must be one of {MOE_IMPLS}, got {self.impl!r}")
+
     def expected_experts(self, tokens: int) -> float:
         """Distinct experts a pass of `tokens` tokens reads in one sparse layer under uniform routing:
         E (1 - (1 - k/E)^n) (each expert is missed by a token with probability 1 - k/E)."""
@@ -105,7 +110,8 @@ class MoeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of one decoder: dense (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) or hybrid (Qwen3.5).
+    """Shape and numerics of one decoder: dense (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) or hybrid (Qwen3.5), its
+    MLPs dense or (`moe`: Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) a mixture of experts on the sparse layers.
 
     A hybrid has `layer_types` (one of LAYER_TYPES per layer) and `linear` (the Gated DeltaNet shape);
     its full-attention layers gate their output (`attn_output_gate`) and rotate only the first

@@ -33,7 +33,6 @@ from specjax import kernels
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
 
-PATHS = ("auto", "gather", "sorted", "ragged")
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
 # batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU both run the same
 # loop over one-row blocks there and time alike (0.8-0.9 ms for one token of a 32-expert layer); from 64 slots
