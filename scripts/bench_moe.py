@@ -1,8 +1,9 @@
 """What experts do to verification, measured on this machine, side by side in one process, interleaved, medians:
 
-  paths     one sparse MLP (the moe_cpu preset's: 32 experts of 512, 4 per token) by both expert paths,
-            gathered weights against the sorted grouped matmul (ragged_dot), 1..256 tokens: where they cross
-            (models/moe.py GATHER_MAX_SLOTS)
+  paths     one sparse MLP (the moe_cpu preset's: 32 experts of 512, 4 per token) by every expert path (gather,
+            sorted blocks, ragged_dot) and the sorted blocks in their accelerator formulation (gathered expert
+            matrices + batched matmul, "sorted_gathered"), 1..256 tokens: where they cross (models/moe.py
+            GATHER_MAX_SLOTS) and what the CPU's in-place loop saves
   curve     one verify round (forward, lm_head, acceptance, commit) of a chain of T tokens, T = 1..256, for a
             random dense model (moe_cpu_dense) and a random MoE with the same active parameters (moe_cpu),
             next to the roofline's prediction on this CPU (uniform routing, and the routing measured on
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels
 from specjax.bench.ar import PRESETS, interleaved_medians, machine_info
 from specjax.bench.spec import random_model
 from specjax.config import ModelConfig
@@ -52,12 +54,28 @@ def bench_paths(cfg: ModelConfig, tokens: list[int], repeats: int, max_gather_sl
         weights, experts = route(x, router, moe.top_k, moe.norm_topk_prob)
         paths = {k: v for k, v in EXPERT_PATHS.items() if k != "gather" or n * moe.top_k <= max_gather_slots}
         fns = {name: (lambda f=jax.jit(fn): f(x, weights, experts, w_gate, w_up, w_down)) for name, fn in paths.items()}
+        if jax.default_backend() == "cpu":  # the accelerator formulation of the blocks (gathered weights), here
+            # its own function object: jit's trace cache is keyed on the function, and the CPU path traces the same one
+            sorted_again = lambda *a: EXPERT_PATHS["sorted"](*a)  # noqa: E731
+            gathered = as_on_accelerator(jax.jit(sorted_again), x, weights, experts, w_gate, w_up, w_down)
+            fns["sorted_gathered"] = lambda: gathered(x, weights, experts, w_gate, w_up, w_down)
         t = interleaved_medians(fns, repeats)
         rows.append({"tokens": n, "slots": n * moe.top_k, "block_rows": block_rows(n * moe.top_k, e),
                      **{f"{k}_ms": v * 1e3 for k, v in t.items()}, "faster": min(t, key=t.get)})
         print(f"paths  tokens {n:5d} ({n * moe.top_k:6d} slots): "
               + "  ".join(f"{k} {v * 1e3:9.2f} ms" for k, v in t.items()), flush=True)
     return rows
+
+
+def as_on_accelerator(fn, *args):
+    """`fn` compiled for `args` with models/moe.py's expert_matmuls taking its accelerator branch (gathered expert
+    matrices, one batched matmul) although this is the CPU: the two formulations side by side."""
+    real = kernels.on_gpu
+    kernels.on_gpu = lambda: True
+    try:
+        return fn.lower(*args).compile()
+    finally:
+        kernels.on_gpu = real
 
 
 def bench_curve(dense, moe, tokens: list[int], cache_len: int, repeats: int) -> list[dict]:

@@ -35,8 +35,8 @@ from specjax.models.layers import normal, param, swiglu
 
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
 # batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU both run the same
-# loop over one-row blocks there and time alike (0.8-0.9 ms for one token of a 32-expert layer); from 64 slots
-# the sorted path's larger blocks are 2-10x faster (scripts/bench_moe.py, paths).
+# loop over one-row blocks there and time alike (1.0-1.3 ms for one token of a 32-expert layer); from 64 slots
+# the sorted path's larger blocks are 2.7-12x faster (scripts/bench_moe.py --paths-only).
 GATHER_MAX_SLOTS = 8
 MAX_BLOCK_ROWS = 128
 # Rows of compute that cost as much as reading one expert's matrices once (peak FLOP/s x bytes per weight /
@@ -68,7 +68,7 @@ def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, 
     On a GPU (or any accelerator) the blocks' expert matrices are gathered and applied as one batched matmul per
     projection (two kernels whatever the block count). On the CPU a loop over the used blocks reads each one's
     expert in place (a dynamic index) and never touches the rest: XLA:CPU copies gathered weights at a few GB/s,
-    and the loop was 5-10x faster there (scripts/bench_moe.py, paths).
+    and the loop was 3.5-8x faster there (scripts/bench_moe.py --paths-only).
     """
     if jax.default_backend() == "cpu" and not kernels.on_gpu():
         def block(b, out_BRD):
