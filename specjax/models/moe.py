@@ -40,8 +40,9 @@ from specjax.models.layers import normal, param, swiglu
 GATHER_MAX_SLOTS = 8
 MAX_BLOCK_ROWS = 128
 # Rows of compute that cost as much as reading one expert's matrices once (peak FLOP/s x bytes per weight /
-# (2 x bandwidth)): the 2-core CPU in fp32 (200 GFLOP/s, 31 GB/s: planning/profile.py DEVICES) and an H100 in bf16.
-ROWS_PER_READ = {"cpu": 13, "gpu": 150}
+# (2 x bandwidth)): the 2-core CPU in fp32 (200 GFLOP/s, 31 GB/s: planning/profile.py DEVICES) and an H100 in bf16
+# (989 TFLOP/s, 3.35 TB/s: its roofline knee).
+ROWS_PER_READ = {"cpu": 13, "gpu": 295}
 
 
 def expert_path(moe: MoeConfig, tokens: int) -> str:
