@@ -237,3 +237,14 @@ def test_eagle3_head_with_its_own_head_dim_is_lossless(target, prompts, plain, t
     assert drafter.cfg.head_dim == 32
     out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter, tree=tree)
     assert out.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2", "dynamic:top_k=2,depth=2,total_tokens=5"])
+def test_an_moe_draft_model_is_lossless(target, prompts, plain, tree, tmp_path):
+    """A one-layer Qwen3-MoE as the draft model (its own experts and KV cache in the draft loop)."""
+    draft = specjax.load(save_hf_model(build_moe("qwen3_moe", seed=3, num_hidden_layers=1, mlp_only_layers=[]),
+                                       tmp_path / "moe_draft"))
+    assert draft.cfg.moe.sparse_layers == (0,)
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[],
+                           drafter=DraftModelDrafter(draft.cfg, draft.params), tree=tree)
+    assert out.tokens == plain.tokens
