@@ -93,7 +93,7 @@ def take_mlp(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
     if "moe" in shapes:
         return {"mlp_norm": take(prefix + LAYER_KEYS["mlp_norm"][0], shapes["mlp_norm"], False),
                 "moe": take_moe(take, tensors, prefix, shapes["moe"])}
-    return {k: take(prefix + LAYER_KEYS[k][0], shapes[k], LAYER_KEYS[k][1]) for k in _SHARED if k != "attn_norm"}
+    return {k: take(prefix + LAYER_KEYS[k][0], shapes[k], LAYER_KEYS[k][1]) for k in _MLP}
 
 
 def take_attention_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig, tensors: dict) -> dict:
