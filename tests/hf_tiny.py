@@ -208,3 +208,30 @@ def assert_greedy_matches_transformers(hf_model, target, lengths=(3, 37, 70), ne
     for prompt, tokens in zip(prompts, out.tokens):
         assert tokens == hf_greedy(hf_model, prompt, new_tokens)
     assert all(len(set(t)) > new_tokens // 4 for t in out.tokens)
+
+
+def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    """transformers' fp32 logits for a batch of token ids."""
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def assert_convert_export_round_trip(hf_model, target, tmp_path: Path, architecture: str, atol: float) -> None:
+    """HF dir -> orbax checkpoint -> load gives transformers' logits; export writes a text-only `architecture`
+    directory (no text_config) that transformers loads and runs to the same logits."""
+    import json
+
+    import transformers
+
+    import specjax
+    from specjax.convert.export import export
+
+    tokens = np.random.default_rng(3).integers(3, target.cfg.vocab_size, size=(1, 20))
+    want = hf_logits(hf_model, tokens)
+    converted = specjax.load(specjax.convert(target.path, tmp_path / "ckpt"))
+    np.testing.assert_allclose(np.asarray(converted.model(tokens, attn_impl="xla")), want, atol=atol, rtol=0)
+    exported = export(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == [architecture] and "text_config" not in config
+    back = getattr(transformers, architecture).from_pretrained(exported).eval()
+    np.testing.assert_allclose(hf_logits(back, tokens), want, atol=atol, rtol=0)

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_tiny import assert_greedy_matches_transformers, build_qwen35, save_hf_model
+from hf_tiny import (
+    assert_convert_export_round_trip,
+    assert_greedy_matches_transformers,
+    build_qwen35,
+    hf_logits,
+    save_hf_model,
+)
 
 import specjax
 from specjax.config import ModelConfig
@@ -27,11 +33,6 @@ def pair(request, tmp_path_factory):
     """(layout, transformers model, specjax target loaded from its saved directory)."""
     hf_model = build_qwen35(request.param)
     return request.param, hf_model, specjax.load(save_hf_model(hf_model, tmp_path_factory.mktemp(request.param)))
-
-
-def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens)).logits.float().numpy()
 
 
 def test_config_reads_both_layouts(pair):
@@ -172,19 +173,7 @@ def test_roofline_counts_the_deltanet_state():
 
 
 def test_convert_load_and_export_round_trip(pair, tmp_path):
-    """HF dir -> orbax checkpoint -> load gives the same logits; export writes a Qwen3_5ForCausalLM directory
-    (a multimodal source as its text model) that transformers loads and runs to the same logits."""
-    import transformers
-
-    from specjax.convert.export import export
-
-    layout, hf_model, target = pair
-    tokens = np.random.default_rng(3).integers(3, target.cfg.vocab_size, size=(1, 20))
-    want = hf_logits(hf_model, tokens)
-    converted = specjax.load(specjax.convert(target.path, tmp_path / "ckpt"))
-    np.testing.assert_allclose(np.asarray(converted.model(tokens, attn_impl="xla")), want, atol=LOGIT_ATOL, rtol=0)
-    exported = export(tmp_path / "ckpt", tmp_path / "hf")
-    config = json.loads((exported / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and "text_config" not in config
-    back = transformers.Qwen3_5ForCausalLM.from_pretrained(exported).eval()
-    np.testing.assert_allclose(hf_logits(back, tokens), want, atol=LOGIT_ATOL, rtol=0)
+    """Converted, it gives transformers' logits; exported as Qwen3_5ForCausalLM (a multimodal source as its text
+    model), transformers loads it to the same logits."""
+    _, hf_model, target = pair
+    assert_convert_export_round_trip(hf_model, target, tmp_path, "Qwen3_5ForCausalLM", LOGIT_ATOL)

@@ -6,7 +6,6 @@ paths, both expert storage forms, export round trips, the configs' rules."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 from hf_tiny import (
+    assert_convert_export_round_trip,
     assert_greedy_matches_transformers,
     build_moe,
     fuse_expert_tensors,
     hf_greedy,
+    hf_logits,
     save_fused_experts,
     save_hf_model,
 )
@@ -43,11 +44,6 @@ def pair(request, tmp_path_factory):
     if arch == "qwen3_5_moe":  # as Qwen3.5-MoE publishes its experts (transformers 5 saves them per expert)
         save_fused_experts(path)
     return arch, hf_model, specjax.load(path)
-
-
-def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens)).logits.float().numpy()
 
 
 def with_path(cfg: ModelConfig, impl: str) -> ModelConfig:
@@ -170,24 +166,12 @@ def test_fused_and_per_expert_tensors_load_the_same(tmp_path):
 
 
 def test_convert_load_and_export_round_trip(pair, tmp_path):
-    """HF dir -> orbax checkpoint -> load gives the same logits; export writes the text model in its family's
-    layout that transformers loads to the same logits."""
-    import transformers
-
-    from specjax.convert.export import export
-
+    """Converted, it gives transformers' logits; exported in its family's layout (the text model), transformers loads
+    it to the same logits."""
     arch, hf_model, target = pair
-    tokens = np.random.default_rng(3).integers(3, target.cfg.vocab_size, size=(1, 20))
-    want = hf_logits(hf_model, tokens)
-    converted = specjax.load(specjax.convert(target.path, tmp_path / "ckpt"))
-    np.testing.assert_allclose(np.asarray(converted.model(tokens, attn_impl="xla")), want, atol=LOGIT_ATOL, rtol=0)
-    exported = export(tmp_path / "ckpt", tmp_path / "hf")
-    config = json.loads((exported / "config.json").read_text())
     cls = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
            "qwen3_next": "Qwen3NextForCausalLM"}[arch]
-    assert config["architectures"] == [cls] and "text_config" not in config
-    back = getattr(transformers, cls).from_pretrained(exported).eval()
-    np.testing.assert_allclose(hf_logits(back, tokens), want, atol=LOGIT_ATOL, rtol=0)
+    assert_convert_export_round_trip(hf_model, target, tmp_path, cls, LOGIT_ATOL)
 
 
 BASE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=16, hidden_size=8, intermediate_size=16,

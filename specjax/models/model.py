@@ -46,6 +46,16 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, cache: KVCache
     return merge(cfg, params).forward(tokens_BT, cache, **kwargs)
 
 
+def sequence_forward(params: dict, cfg: ModelConfig, tokens_BS: jax.Array, capture: tuple[int, ...] = ()):
+    """The serving forward over whole sequences from a fresh cache (positions 0..S-1, causal: what prefill
+    computes), any target kind: (final-normed hidden [B, S, D], the captured states, fp32 logits [B, S, V]).
+    How training reads the target it trains a head for."""
+    model = merge(cfg, params)
+    h_BSD, captured, _ = model.forward(tokens_BS, model.init_cache(*tokens_BS.shape), capture=tuple(capture),
+                                       attn_impl="xla")
+    return h_BSD, captured, model.logits(h_BSD)
+
+
 def lm_head(params: dict, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """`Decoder.logits` of the model holding `params`."""
     return merge(cfg, params).logits(h_BTD)

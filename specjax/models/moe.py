@@ -158,7 +158,7 @@ class MoeMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, scale: float = 0.02, lead=((), ())):
         moe = cfg.moe
-        self.moe = moe
+        self.moe_cfg = moe  # (the layer holding this module calls it `moe`)
         shape, axes = lead
         d, e, i, dtype = cfg.hidden_size, moe.num_experts, moe.expert_size, jnp.dtype(cfg.dtype)
 
@@ -182,10 +182,10 @@ class MoeMLP(nnx.Module):
         """The MoE of a normed input [B, T, D] (no residual): routed experts plus the gated shared expert."""
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
-        weights_NK, experts_NK = route(x_ND, self.router[...], self.moe.top_k, self.moe.norm_topk_prob)
+        weights_NK, experts_NK = route(x_ND, self.router[...], self.moe_cfg.top_k, self.moe_cfg.norm_topk_prob)
         if self.record:
             self.sow(nnx.Intermediate, "routed", experts_NK.reshape(b, t, -1))
-        run = EXPERT_PATHS[expert_path(self.moe, b * t)]
+        run = EXPERT_PATHS[expert_path(self.moe_cfg, b * t)]
         y_ND = run(x_ND, weights_NK, experts_NK, self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.shared_gate is not None:
             shared_ND = swiglu(x_ND, self.shared_gate[...], self.shared_up[...], self.shared_down[...])

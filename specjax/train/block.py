@@ -71,7 +71,7 @@ from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables
 from specjax.models.cache import KVCache
 from specjax.models.decoder import run_layers
 from specjax.models.layers import rms_norm, rope_inv_freq
-from specjax.models.model import forward, lm_head, merge
+from specjax.models.model import sequence_forward
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
 
@@ -226,11 +226,8 @@ def target_taps_and_logits(target_params: dict, target_cfg: ModelConfig, tokens_
 
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
-    b, s = tokens_BS.shape
-    cache = merge(target_cfg, target_params).init_cache(b, s)  # a KV cache, or a hybrid target's
-    h_BSD, taps, _ = forward(target_params, target_cfg, tokens_BS, cache, capture=tuple(feature_layers),
-                             attn_impl="xla")
-    return taps, lm_head(target_params, target_cfg, h_BSD)
+    _, taps, logits_BSV = sequence_forward(target_params, target_cfg, tokens_BS, tuple(feature_layers))
+    return taps, logits_BSV
 
 
 def anchor_layout(anchors_BA: jax.Array, block_size: int, seq_len: int) -> tuple[jax.Array, jax.Array]:

@@ -46,7 +46,7 @@ from flax import nnx
 
 from specjax.config import ModelConfig, RopeConfig
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Head, concat_features, head_of
-from specjax.models.model import forward, lm_head, merge
+from specjax.models.model import sequence_forward
 from specjax.models.state import to_params
 from specjax.train.losses import LossFn
 from specjax.train.model import NEG_INF
@@ -104,11 +104,8 @@ def target_features(target_params: dict, target_cfg: ModelConfig, tokens_BS: jax
 
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
-    b, s = tokens_BS.shape
-    cache = merge(target_cfg, target_params).init_cache(b, s)  # a KV cache, or a hybrid target's
-    h_BSD, taps, _ = forward(target_params, target_cfg, tokens_BS, cache, capture=tuple(feature_layers),
-                             attn_impl="xla")
-    return concat_features(taps), lm_head(target_params, target_cfg, h_BSD)
+    _, taps, logits_BSV = sequence_forward(target_params, target_cfg, tokens_BS, tuple(feature_layers))
+    return concat_features(taps), logits_BSV
 
 
 def shift_left(x_BS: jax.Array, j: int) -> jax.Array:

@@ -18,7 +18,7 @@ from jax import lax
 from specjax.config import ModelConfig
 from specjax.models.decoder import with_layout
 from specjax.models.layers import rms_norm, rope_inv_freq
-from specjax.models.model import lm_head, merge
+from specjax.models.model import lm_head, merge, sequence_forward
 
 NEG_INF = -1e30
 
@@ -49,9 +49,7 @@ def train_forward(params: dict, cfg: ModelConfig, tokens_BT: jax.Array, *, captu
     fresh cache (the chunked delta rule; `remat` does not apply).
     """
     if cfg.is_hybrid:
-        model = merge(cfg, params)
-        h_BTD, captured, _ = model.forward(tokens_BT, model.init_cache(*tokens_BT.shape), capture=capture,
-                                           attn_impl="xla")
+        h_BTD, captured, _ = sequence_forward(params, cfg, tokens_BT, capture)  # its unused logits: dead code to jit
         return h_BTD, captured
     model = merge(cfg, with_layout(params, per_layer=False))
     graph, stacked = nnx.split(model.layers)

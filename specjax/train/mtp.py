@@ -61,7 +61,7 @@ from specjax.convert.export import NP_DTYPES, write_hf_dir
 from specjax.convert.mtp import mtp_hf_tensors, mtp_only_config
 from specjax.drafters import mtp
 from specjax.models.layers import rope_inv_freq
-from specjax.models.model import forward, lm_head, merge
+from specjax.models.model import sequence_forward
 from specjax.models.state import to_params
 from specjax.train.eagle3 import sequence_batch, shift_left, ttt_attention
 from specjax.train.losses import LossFn
@@ -115,10 +115,8 @@ def target_hidden(target_params: dict, target_cfg: ModelConfig, tokens_BS: jax.A
 
     A fresh cache of length S, positions 0..S-1, causal: what prefill computes.
     """
-    b, s = tokens_BS.shape
-    cache = merge(target_cfg, target_params).init_cache(b, s)  # a KV cache, or a hybrid target's
-    out_BSD, _, _ = forward(target_params, target_cfg, tokens_BS, cache, attn_impl="xla")
-    return out_BSD, lm_head(target_params, target_cfg, out_BSD)
+    out_BSD, _, logits_BSV = sequence_forward(target_params, target_cfg, tokens_BS)
+    return out_BSD, logits_BSV
 
 
 def unroll(head: mtp.MtpHead, h_BSD: jax.Array, next_ids_BS: jax.Array, steps: int = 1) -> list[jax.Array]:
