@@ -101,6 +101,10 @@ class MoeConfig:
         if self.impl not in MOE_IMPLS:
             raise ValueError(f"MoeConfig impl must be one of {MOE_IMPLS}, got {self.impl!r}")
 
+    def expert_params(self, hidden_size: int) -> int:
+        """Weights of one SwiGLU expert: gate, up [D, I] and down [I, D]."""
+        return 3 * hidden_size * self.expert_size
+
     def expected_experts(self, tokens: int) -> float:
         """Distinct experts a pass of `tokens` tokens reads in one sparse layer under uniform routing:
         E (1 - (1 - k/E)^n) (each expert is missed by a token with probability 1 - k/E)."""
@@ -203,7 +207,7 @@ class ModelConfig:
         moe = self.moe
         experts = moe.top_k if active else moe.num_experts
         shared = 3 * d * moe.shared_size + d if moe.shared_size else 0
-        return d * moe.num_experts + experts * 3 * d * moe.expert_size + shared + d
+        return d * moe.num_experts + experts * moe.expert_params(d) + shared + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":

@@ -150,10 +150,15 @@ def plan_main(args: argparse.Namespace) -> int:
         plot_speedups(p, cm, choices, table, args.plot, title=cm.source, call=call)
         print(f"wrote {args.plot}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+        write_report(report, args.json)
     return 0
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    """The plan as JSON at `path` (values JSON cannot hold, as their str)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path}")
 
 
 def plan_moe_vs_dense(args: argparse.Namespace, batches: list[int], report: dict[str, Any]) -> int:
@@ -172,9 +177,7 @@ def plan_moe_vs_dense(args: argparse.Namespace, batches: list[int], report: dict
     report |= {"p_rank": list(p), "costs": {"dense": dense.source, "moe": moe.source},
                "choices": {k: [c.as_dict() for c in v] for k, v in plans.items()}}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+        write_report(report, args.json)
     return 0
 
 
@@ -218,9 +221,7 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
     if args.plot:
         print("--plot draws a cost model's curves: pass --device (h100, h200, cpu or a profile JSON) with it")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {args.json}")
+        write_report(report, args.json)
     return 0
 
 

@@ -129,7 +129,7 @@ class Roofline:
         kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * width
         peak = device.peak_for(str(cfg.dtype))
         state, node, flops = hybrid_bytes(cfg)
-        one_expert = 0.0 if cfg.moe is None else len(cfg.moe.sparse_layers) * 3 * cfg.hidden_size * cfg.moe.expert_size
+        one_expert = 0 if cfg.moe is None else len(cfg.moe.sparse_layers) * cfg.moe.expert_params(cfg.hidden_size)
         shared = cfg.num_params() - (0 if cfg.moe is None else one_expert * cfg.moe.num_experts)
         return cls(dataclasses.replace(device, peak_flops=peak), params, shared * width, kv, cache_len, state, node,
                    flops, one_expert * width, cfg.moe)
@@ -214,6 +214,8 @@ def routing_curve(target, prompts: Sequence[Sequence[int]], tokens: Sequence[int
     """(tokens per pass, distinct experts one sparse layer reads) measured through an MoE target's own routers on
     `prompts` (each run alone), for the passes the routed tokens can fill: what `Roofline.with_routing` takes."""
     per_prompt = [routed_experts(target.model, np.asarray([p], np.int32)) for p in prompts if len(p)]
+    if not per_prompt:
+        raise ValueError("routing_curve needs at least one non-empty prompt to route")
     routed = [np.concatenate([r[i].reshape(-1, r[i].shape[-1]) for r in per_prompt]) for i in range(len(per_prompt[0]))]
     available = routed[0].shape[0]
     return [(t, distinct_experts(routed, t)) for t in tokens if t <= available]
