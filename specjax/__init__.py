@@ -6,7 +6,7 @@ from specjax import compile_cache
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.inspect import DraftInspection, inspect_draft
 from specjax.drafters import NgramDrafter, replay_drafter
-from specjax.generate import GenerateOutput, generate
+from specjax.generate import GenerateOutput, StreamChunk, generate, stream
 from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import embedded
 from specjax.loading.target import convert, load
@@ -21,5 +21,6 @@ try:
 except PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "Target",
-           "__version__", "convert", "embedded", "generate", "inspect_draft", "load", "load_drafter", "replay_drafter"]
+__all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "StreamChunk", "Target",
+           "__version__", "convert", "embedded", "generate", "inspect_draft", "load", "load_drafter", "replay_drafter",
+           "stream"]

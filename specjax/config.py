@@ -12,7 +12,8 @@ Qwen3-Next) carry a `MoeConfig`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import numbers
+from typing import Any, Tuple, Union
 
 # architectures entry -> family flags. All are the dense pre-norm decoder with GQA,
 # SwiGLU MLP and rotate-half RoPE; they differ only in the flags below.
@@ -394,23 +395,101 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
+PerRow = Union[float, Tuple[float, ...]]
+
+
+def per_row(value, n_rows: int, name: str) -> tuple:
+    """A per-call setting as one value per prompt: a scalar is every prompt's, a sequence must have one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_rows:
+            raise ValueError(f"{name} has {len(value)} values for {n_rows} prompts: pass one value per prompt, or "
+                             "a single value for all")
+        return tuple(value)
+    return (value,) * n_rows
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _values(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How a token is chosen from logits. temperature 0 means greedy (top_k/top_p ignored)."""
+    """How each row's token is chosen from logits: temperature 0 means greedy (the filters are then ignored).
 
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
+    Every field is one value for all prompts or a tuple of one per prompt (validate() turns lists into
+    tuples). Order of application, vLLM's (vllm/v1/sample/sampler.py): temperature, min_p, top_k, top_p.
+    """
+
+    temperature: PerRow = 0.0
+    top_k: Union[int, Tuple[int, ...]] = 0  # 0 = off
+    top_p: PerRow = 1.0  # 1.0 = off
+    min_p: PerRow = 0.0  # 0.0 = off: keep tokens with p >= min_p * max p
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Every row greedy: the loop then compiles its argmax path (no sampling work at all)."""
+        return all(t == 0.0 for t in _values(self.temperature))
 
     def validate(self) -> "SamplingConfig":
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        return self
+        fields = {f.name: tuple(v) if isinstance(v := getattr(self, f.name), list) else v
+                  for f in dataclasses.fields(self)}
+        for t in _values(fields["temperature"]):
+            if not _is_number(t) or t < 0:
+                raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
+        for k in _values(fields["top_k"]):
+            if not _is_integer(k) or k < 0:
+                raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        for p in _values(fields["top_p"]):
+            if not _is_number(p) or not 0.0 < p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        for m in _values(fields["min_p"]):
+            if not _is_number(m) or not 0.0 <= m <= 1.0:
+                raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m!r}")
+        return SamplingConfig(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class PenaltyConfig:
+    """vLLM's penalties and min_tokens, each one value for all prompts or one per prompt.
+
+    repetition_penalty > 0 (1 = off) scales the logits of tokens seen in the prompt or the output (divided when
+    positive, multiplied when not); presence_penalty and frequency_penalty subtract p * [count > 0] and f * count
+    over the output (vllm/model_executor/layers/utils.py apply_penalties); min_tokens keeps EOS and the stop
+    tokens out until a row has that many tokens.
+    """
+
+    repetition_penalty: PerRow = 1.0
+    presence_penalty: PerRow = 0.0
+    frequency_penalty: PerRow = 0.0
+    min_tokens: Union[int, Tuple[int, ...]] = 0
+
+    @property
+    def active(self) -> bool:
+        """Any row penalised: the loop then carries token counts (compiled in only when needed)."""
+        return (any(r != 1.0 for r in _values(self.repetition_penalty))
+                or any(p != 0.0 for p in _values(self.presence_penalty))
+                or any(f != 0.0 for f in _values(self.frequency_penalty))
+                or any(m != 0 for m in _values(self.min_tokens)))
+
+    def validate(self) -> "PenaltyConfig":
+        fields = {f.name: tuple(v) if isinstance(v := getattr(self, f.name), list) else v
+                  for f in dataclasses.fields(self)}
+        for r in _values(fields["repetition_penalty"]):
+            if not _is_number(r) or r <= 0:
+                raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            for v in _values(fields[name]):
+                if not _is_number(v) or not -2.0 <= v <= 2.0:
+                    raise ValueError(f"{name} must be a number in [-2, 2] (0 = off, vLLM's range), got {v!r}")
+        for m in _values(fields["min_tokens"]):
+            if not _is_integer(m) or m < 0:
+                raise ValueError(f"min_tokens must be an integer >= 0, got {m!r}")
+        return PenaltyConfig(**fields)

@@ -1,37 +1,51 @@
-"""`specjax.generate`: check the arguments, then dispatch to the plain or the speculative loop.
+"""`specjax.generate` and `specjax.stream`: check the arguments, then dispatch to the plain or the speculative loop.
 
 Request preparation, bucketing, per-row seeds, the compile cache and output assembly live
-below both loops in request.py; this module only decides which loop runs.
+below both loops in request.py (chunked runs: stream.py); this module only resolves the call's
+settings (the checkpoint's generation_config.json defaults, the draft shape) and decides which
+loop runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from os import PathLike
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from specjax.config import SamplingConfig
+from specjax.config import PenaltyConfig, SamplingConfig
 from specjax.decoding.drafter import check_drafter_argument
-from specjax.decoding.plain import plain_generate
-from specjax.decoding.request import GenerateOutput, bucket
-from specjax.decoding.speculative import speculative_generate
+from specjax.decoding.plain import plain_generate, plain_run
+from specjax.decoding.request import GenerateOutput, Options, bucket, prepare, row_texts
+from specjax.decoding.speculative import spec_runner, speculative_generate
+from specjax.decoding.stream import StreamChunk
 from specjax.decoding.tree import parse_tree
 from specjax.models.target import Target
 from specjax.planning.auto import auto_shape
 from specjax.planning.scheduler_cost import scheduler_cost
 
-__all__ = ["GenerateOutput", "bucket", "generate"]
+__all__ = ["GenerateOutput", "StreamChunk", "bucket", "generate", "stream"]
+
+# transformers' defaults for a generation config that samples without saying how
+# (GenerationConfig._get_default_generation_params in transformers/generation/configuration_utils.py).
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
 
 
-def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] | None = 0, drafter=None,
-             num_draft_tokens: int | None = None, tree=None, eos_token_id: int | Sequence[int] | None = None,
-             max_len: int | None = None, scheduler: str | None = None, scheduler_profile=None) -> GenerateOutput:
-    """Continue each prompt; greedy when temperature is 0. With a drafter, decode speculatively.
+def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature=None, top_k=None, top_p=None,
+             seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | None = None, tree=None,
+             eos_token_id: int | Sequence[int] | None = None, max_len: int | None = None, scheduler: str | None = None,
+             scheduler_profile=None, **options) -> GenerateOutput:
+    """Continue each prompt; greedy when temperature is 0. With a drafter, decode speculatively: the output is the
+    same as without one (token for token when greedy, the same distribution when sampling).
 
-    prompts: list of token-id lists (ragged) or strings (needs the target's tokenizer).
+    prompts: list of token-id lists (ragged), strings (needs the target's tokenizer), or chats (lists of
+      {"role", "content"} messages, rendered with the checkpoint's chat template).
+    temperature / top_k / top_p / min_p: one value for all prompts or a list of one per prompt (a batch may mix
+      greedy and sampled rows); values are data, so new ones reuse the compiled loop. Unset: the checkpoint's
+      generation_config.json as transformers applies it (do_sample true: its temperature, top_k, top_p, min_p,
+      transformers' defaults 1.0 / 50 / 1.0 for those it omits; otherwise greedy).
     seed: an int (row b uses it folded with b), one int per prompt (a prompt then draws the
       same tokens at any row of any batch), or None for fresh randomness (reported in
       out.stats["seed"], pass it back to repeat the run).
@@ -47,9 +61,100 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
       (num_draft_tokens=K). scheduler_profile: its cost curve: a Profile, a profile JSON path, "measure"
       (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
       roofline). out.stats["scheduler"] says which was used.
+
+    Keyword options (vLLM's meanings):
+      min_p; stop (strings matched on the decoded text: the output ends before the first one,
+      include_stop_str_in_output=True keeps it); stop_token_ids (beyond EOS); skip_special_tokens (True: not
+      in out.texts); logprobs=True (out.logprobs: each token's raw log-probability, log-softmax of the target's
+      logits) and top_logprobs=n (out.top_logprobs: the n most likely (id, logprob) at each position);
+      repetition_penalty (unset: generation_config.json's, else 1), presence_penalty, frequency_penalty,
+      min_tokens (per prompt or one value); chat_template_kwargs (template variables for chat prompts, e.g.
+      {"enable_thinking": False}). out.finish_reasons[i] is "stop" or "length".
     """
+    return _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens,
+                    tree, eos_token_id, max_len, scheduler, scheduler_profile, options).generate()
+
+
+def stream(target: Target, prompts: Sequence, max_new_tokens: int = 128, **kwargs) -> Iterator[StreamChunk]:
+    """`generate`, yielding each prompt's new tokens as the loop produces them (a StreamChunk per prompt with new
+    output: .index, .token_ids, .text, and .finish_reason on its last chunk). The chunks of a prompt concatenate
+    to what generate returns for it, with or without a drafter. The loop runs in chunks of steps that grow until
+    each takes CHUNK_TARGET_S (stream.py), so the first tokens come at once and long runs pay little."""
+    names = ("temperature", "top_k", "top_p", "seed", "drafter", "num_draft_tokens", "tree", "eos_token_id",
+             "max_len", "scheduler", "scheduler_profile")
+    defaults = {"seed": 0}
+    fixed = [kwargs.pop(n, defaults.get(n)) for n in names]
+    yield from _resolve(target, prompts, max_new_tokens, *fixed, kwargs).stream()
+
+
+@dataclasses.dataclass
+class _Call:
+    """A checked call: which loop runs it, with what."""
+
+    target: Target
+    prompts: Sequence
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: Any
+    eos_token_id: Any
+    max_len: int | None
+    options: Options
+    drafter: Any = None
+    spec: Any = None  # None: the plain loop
+    scheduler: str | None = None
+    scheduler_profile: Any = None
+    extra_stats: dict = dataclasses.field(default_factory=dict)
+
+    def _kw(self) -> dict:
+        return dict(max_new_tokens=self.max_new_tokens, sampling=self.sampling, seed=self.seed,
+                    eos_token_id=self.eos_token_id, max_len=self.max_len, options=self.options)
+
+    def _cost(self):
+        return partial(scheduler_cost, self.target, self.scheduler_profile)
+
+    def generate(self) -> GenerateOutput:
+        if self.spec is None:
+            return plain_generate(self.target, self.prompts, extra=self.extra_stats, **self._kw())
+        out = speculative_generate(self.target, self.prompts, self.drafter, spec=self.spec, scheduler=self.scheduler,
+                                   scheduler_cost=self._cost(), **self._kw())
+        out.stats.update(self.extra_stats)
+        return out
+
+    def stream(self) -> Iterator[StreamChunk]:
+        kw = self._kw()
+        req = prepare(self.target, self.prompts, kw["max_new_tokens"], kw["sampling"], kw["eos_token_id"],
+                      kw["max_len"], kw["seed"], draft_nodes=0 if self.spec is None else self.spec.cache_slots,
+                      options=self.options)
+        texts = row_texts(self.target, req)
+        if self.spec is None:
+            run = plain_run(self.target, req, texts)[3]
+        else:
+            run = spec_runner(self.target, req, self.drafter, self.spec, self.scheduler, self._cost()).run(texts)[3]
+        for chunks in run:
+            yield from chunks
+
+
+def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens, tree,
+             eos_token_id, max_len, scheduler, scheduler_profile, options: dict) -> _Call:
+    """Check every argument and decide the loop (planning "auto" here): the _Call to run."""
     _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens)
-    sampling = SamplingConfig(temperature, top_k, top_p).validate()
+    options = dict(options)
+    sampling, penalties = _settings(target, temperature, top_k, top_p, options)
+    chat_kwargs = options.pop("chat_template_kwargs", None)
+    logprobs, top = options.pop("logprobs", False), options.pop("top_logprobs", 0)
+    if not isinstance(top, (int, np.integer)) or isinstance(top, bool) or top < 0:
+        raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
+    unknown = sorted(set(options) - {"stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"})
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}")
+    opts = Options(penalties=penalties, stop=tuple([options["stop"]] if isinstance(options.get("stop"), str)
+                                                   else options.get("stop") or ()),
+                   stop_token_ids=tuple(options.get("stop_token_ids") or ()),
+                   include_stop_str_in_output=bool(options.get("include_stop_str_in_output", False)),
+                   skip_special_tokens=bool(options.get("skip_special_tokens", True)),
+                   logprobs=int(top) if (logprobs or top) else -1)
+    prompts = render_prompts(target, prompts, chat_kwargs)
+    call = _Call(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, opts)
     if scheduler is None and scheduler_profile is not None:
         raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
                          "too, or drop scheduler_profile=")
@@ -61,27 +166,60 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
             given = "num_draft_tokens" if num_draft_tokens is not None else "tree"
             raise ValueError(f"{given}= shapes a speculative draft but no drafter was given: pass drafter= "
                              f"(e.g. specjax.load_drafter(path, target)), or drop {given}=")
-        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len)
+        return call
     if "off" in (num_draft_tokens, tree):
         _other_unset(num_draft_tokens, tree, "off", "'off' runs the plain loop")
         if scheduler is not None:
             raise ValueError(f"scheduler={scheduler!r} chooses how much of each draft to verify, but 'off' drafts "
                              "nothing (the plain loop): drop scheduler=, or give num_draft_tokens=K")
-        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len,
-                      {"plan": {"shape": "off", "kind": "off", "requested": True}})
+        call.extra_stats = {"plan": {"shape": "off", "kind": "off", "requested": True}}
+        return call
     if "auto" in (num_draft_tokens, tree) and scheduler is not None:
         raise ValueError("scheduler= chooses the verified prefix of a fixed chain each round; with 'auto' the planner "
                          "picks the shape instead: give num_draft_tokens=K with scheduler=, or drop scheduler=")
+    call.drafter, call.scheduler, call.scheduler_profile = drafter, scheduler, scheduler_profile
     if "auto" in (num_draft_tokens, tree):
-        return _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree,
-                              eos_token_id, max_len)
+        _other_unset(num_draft_tokens, tree, "auto",
+                     "with 'auto' leave the other one unset (num_draft_tokens='auto' plans chains, tree='auto' plans "
+                     "trees and chains)")
+        call.spec, plan = auto_shape(target, drafter, prompts, trees=tree == "auto", sampling=sampling, seed=seed,
+                                     eos_token_id=eos_token_id, max_new_tokens=max_new_tokens)
+        call.extra_stats = {"plan": plan}
+        return call
     if num_draft_tokens is not None and tree is not None:
         raise ValueError(f"pass either num_draft_tokens={num_draft_tokens} (a chain) or tree={tree!r}, not both; "
                          f"a chain of K is also tree='chain:K'")
-    spec = parse_tree(tree, num_draft_tokens)
-    return speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
-                                seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len,
-                                scheduler=scheduler, scheduler_cost=partial(scheduler_cost, target, scheduler_profile))
+    call.spec = parse_tree(tree, num_draft_tokens)
+    return call
+
+
+def _settings(target: Target, temperature, top_k, top_p, options: dict) -> tuple[SamplingConfig, PenaltyConfig]:
+    """The call's sampling and penalties: what it gives, else the checkpoint's generation_config.json, transformers'
+    way: its sampling values only when it says do_sample (with transformers' defaults for those it omits), its
+    repetition_penalty always."""
+    gen = target.generation_config
+    sampled = bool(gen.get("do_sample", False))
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": options.pop("min_p", None)}
+    off = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    values = {}
+    for name, value in given.items():
+        if value is None:
+            value = (gen.get(name) if gen.get(name) is not None else HF_SAMPLING_DEFAULTS[name]) if sampled \
+                else off[name]
+        values[name] = value
+    repetition = options.pop("repetition_penalty", None)
+    if repetition is None:
+        repetition = gen.get("repetition_penalty") or 1.0
+    penalties = PenaltyConfig(repetition, options.pop("presence_penalty", 0.0), options.pop("frequency_penalty", 0.0),
+                              options.pop("min_tokens", 0))
+    return SamplingConfig(**values).validate(), penalties.validate()
+
+
+def render_prompts(target: Target, prompts, chat_template_kwargs) -> Sequence:
+    """Prompts with every chat (a list of {"role", "content"} messages) rendered to token ids by its template."""
+    if chat_template_kwargs is not None:
+        raise NotImplementedError("chat prompts")
+    return prompts
 
 
 def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> None:
@@ -109,25 +247,3 @@ def _other_unset(num_draft_tokens, tree, word: str, why: str) -> None:
 def _is_int(x) -> bool:
     """True for Python and NumPy integers, not bools (True is not a token count)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _generate_auto(target, prompts, max_new_tokens, sampling, seed, drafter, num_draft_tokens, tree, eos_token_id,
-                   max_len) -> GenerateOutput:
-    """num_draft_tokens="auto" / tree="auto": ask the planner for the shape, then run that loop."""
-    _other_unset(num_draft_tokens, tree, "auto",
-                 "with 'auto' leave the other one unset (num_draft_tokens='auto' plans chains, tree='auto' plans trees "
-                 "and chains)")
-    spec, plan = auto_shape(target, drafter, prompts, trees=tree == "auto", sampling=sampling, seed=seed,
-                            eos_token_id=eos_token_id, max_new_tokens=max_new_tokens)
-    if spec is None:
-        return _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, {"plan": plan})
-    out = speculative_generate(target, prompts, drafter, max_new_tokens=max_new_tokens, sampling=sampling,
-                               seed=seed, spec=spec, eos_token_id=eos_token_id, max_len=max_len)
-    out.stats["plan"] = plan
-    return out
-
-
-def _plain(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, extra=None) -> GenerateOutput:
-    """The plain autoregressive loop (no drafter, or the planner said "off")."""
-    return plain_generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                          eos_token_id=eos_token_id, max_len=max_len, extra=extra)

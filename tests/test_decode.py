@@ -19,6 +19,7 @@ from hf_tiny import build_hf_model, save_hf_model
 import specjax
 from specjax.config import SamplingConfig
 from specjax.decoding.decode import LoopConfig, ar_generate
+from specjax.decoding.request import prepare
 from specjax.models.target import Target
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -164,13 +165,14 @@ def test_per_row_budgets_in_the_loop(target):
     for i, p in enumerate(prompts):
         prompt_BT[i, : len(p)] = p
     prompt_len_B = np.asarray([len(p) for p in prompts], np.int32)
-    lc = LoopConfig(target.cfg, SamplingConfig(), eos_ids=(), out_len=16, cache_len=32)
+    lc = LoopConfig(target.cfg, False, out_len=16, cache_len=32)
+    req = prepare(target, prompts, 16, SamplingConfig(), [], None, 0)  # its RowSettings: greedy, no stop ids
     full = specjax.generate(target, prompts, max_new_tokens=16, eos_token_id=[]).tokens
 
     budgets = np.asarray([1, 7, 16, 0], np.int32)
-    out_BO, count_B, steps = ar_generate(target.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B),
-                                         jnp.asarray(budgets), jnp.zeros(4, jnp.uint32), jnp.arange(4, dtype=jnp.uint32),
-                                         lc=lc)
+    out_BO, count_B, steps, _ = ar_generate(target.params, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B),
+                                            jnp.asarray(budgets), jnp.zeros(4, jnp.uint32),
+                                            jnp.arange(4, dtype=jnp.uint32), req.arrays()[-1], lc=lc)
     np.testing.assert_array_equal(np.asarray(count_B), budgets)
     assert int(steps) == 16
     for i, n in enumerate(budgets):

@@ -447,10 +447,9 @@ def test_speculative_loop_with_a_dynamic_tree_lowers_for_cuda(monkeypatch):
     monkeypatch.setattr(specjax.kernels, "on_gpu", lambda: True)
     cfg = llama3_8b_shaped(layers=2, dtype="bfloat16")
     draft_cfg = dataclasses.replace(cfg, hidden_size=2048, intermediate_size=8192, num_layers=1, head_dim=64)
-    sampling = SamplingConfig(temperature=0.7)
-    lc = LoopConfig(cfg, sampling, cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    lc = LoopConfig(cfg, True, out_len=32, cache_len=256, attn_impl="auto")
     drafter = DraftModelDrafter(draft_cfg, None, attn_impl="auto").configure(
-        Settings(DynamicTreeSpec(8, 5, 60), sampling, 256, lc.out_len))
+        Settings(DynamicTreeSpec(8, 5, 60), lc.drafting, 256, lc.out_len))
     text = spec_generate.trace(abstract_params(cfg), abstract_params(draft_cfg), *abstract_request(8, 64), lc=lc,
                                drafter=drafter).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON_CALL) >= 3  # prefill / verify, the drafter's [prev, root] pass, its frontier steps

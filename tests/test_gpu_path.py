@@ -21,8 +21,10 @@ from hf_tiny import build_hf_model, save_hf_model
 import specjax
 import specjax.kernels
 from specjax.config import ModelConfig, RopeConfig, SamplingConfig
-from specjax.decoding.decode import LoopConfig, ar_generate
+from specjax.decoding.decode import LoopConfig, RowSettings, ar_generate
 from specjax.decoding.drafter import Settings
+from specjax.decoding.penalties import RowPenalties
+from specjax.decoding.sampling import RowSampling
 from specjax.decoding.speculative import spec_generate
 from specjax.decoding.tree import chain, kary
 from specjax.drafters import DraftModelDrafter
@@ -76,10 +78,12 @@ def abstract_params(cfg: ModelConfig) -> dict:
 
 
 def abstract_request(batch: int, prompt_len: int) -> tuple:
-    i32, u32 = jnp.int32, jnp.uint32
-    return (jax.ShapeDtypeStruct((batch, prompt_len), i32), jax.ShapeDtypeStruct((batch,), i32),
-            jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), u32),
-            jax.ShapeDtypeStruct((batch,), u32))
+    """The loops' array arguments after params, as shapes: prompts, lengths, budgets, seeds, folds, RowSettings."""
+    i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+    row = lambda dtype: jax.ShapeDtypeStruct((batch,), dtype)  # noqa: E731
+    rows = RowSettings(RowSampling(row(f32), row(i32), row(f32), row(f32)),
+                       RowPenalties(row(f32), row(f32), row(f32), row(i32)), jax.ShapeDtypeStruct((batch, 2), i32))
+    return (jax.ShapeDtypeStruct((batch, prompt_len), i32), row(i32), row(i32), row(u32), row(u32), rows)
 
 
 @pytest.fixture
@@ -91,7 +95,7 @@ def pretend_gpu(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plain_loop_lowers_for_cuda_with_the_triton_kernel(pretend_gpu, dtype):
     cfg = llama3_8b_shaped(layers=2, dtype=dtype)
-    lc = LoopConfig(cfg, SamplingConfig(), cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    lc = LoopConfig(cfg, False, out_len=32, cache_len=256, attn_impl="auto")
     lowered = ar_generate.trace(abstract_params(cfg), *abstract_request(4, 64), lc=lc).lower(
         lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -99,18 +103,20 @@ def test_plain_loop_lowers_for_cuda_with_the_triton_kernel(pretend_gpu, dtype):
     assert "stablehlo.while" in text  # the decode loop stays one while loop on the device
 
 
-@pytest.mark.parametrize("dtype,sampling,tree", [
-    ("float32", SamplingConfig(), chain(4)),
-    ("bfloat16", SamplingConfig(temperature=0.7, top_p=0.9), kary([3, 2, 1])),
+@pytest.mark.parametrize("dtype,sampled,tree,penalties,logprobs", [
+    ("float32", False, chain(4), False, -1),
+    ("bfloat16", True, kary([3, 2, 1]), True, 2),
 ])
-def test_speculative_loop_lowers_for_cuda_with_the_triton_kernel(pretend_gpu, dtype, sampling, tree):
+def test_speculative_loop_lowers_for_cuda_with_the_triton_kernel(pretend_gpu, dtype, sampled, tree, penalties,
+                                                                 logprobs):
     cfg = llama3_8b_shaped(layers=2, dtype=dtype)
     draft_cfg = dataclasses.replace(cfg, hidden_size=2048, intermediate_size=8192, num_layers=1, num_heads=32,
                                     num_kv_heads=8, head_dim=64)
     cache_len = 256
-    lc = LoopConfig(cfg, sampling, cfg.eos_token_ids, out_len=32, cache_len=cache_len, attn_impl="auto")
+    lc = LoopConfig(cfg, sampled, out_len=32, cache_len=cache_len, attn_impl="auto", penalties=penalties,
+                    logprobs=logprobs)
     drafter = DraftModelDrafter(draft_cfg, None, attn_impl="auto").configure(
-        Settings(tree, sampling, cache_len, lc.out_len))
+        Settings(tree, lc.drafting, cache_len, lc.out_len))
     lowered = spec_generate.trace(abstract_params(cfg), abstract_params(draft_cfg), *abstract_request(8, 64),
                                   lc=lc, drafter=drafter).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -133,7 +139,7 @@ def test_hybrid_loops_lower_for_cuda_with_the_triton_kernel(pretend_gpu, tree):
     from specjax.models.state import shapes_of
 
     cfg = qwen35_9b_shaped(layers=4)
-    lc = LoopConfig(cfg, SamplingConfig(), cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    lc = LoopConfig(cfg, False, out_len=32, cache_len=256, attn_impl="auto")
     if tree is None:
         lowered = ar_generate.trace(abstract_params(cfg), *abstract_request(2, 64), lc=lc).lower(
             lowering_platforms=("cuda",))
@@ -171,7 +177,7 @@ def test_moe_loops_lower_for_cuda_with_the_triton_kernel(pretend_gpu, tree):
 
     cfg = qwen3_30b_a3b_shaped(layers=2)
     assert not cfg.mixed_layers and expert_path(cfg.moe, 1) == "gather" and expert_path(cfg.moe, 2) == "sorted"
-    lc = LoopConfig(cfg, SamplingConfig(), cfg.eos_token_ids, out_len=32, cache_len=256, attn_impl="auto")
+    lc = LoopConfig(cfg, False, out_len=32, cache_len=256, attn_impl="auto")
     if tree is None:
         lowered = ar_generate.trace(abstract_params(cfg), *abstract_request(1, 64), lc=lc).lower(
             lowering_platforms=("cuda",))

@@ -237,7 +237,8 @@ def test_top_p_without_a_sort_equals_the_sort(top_k):
         logits_RV = jnp.where(logits_RV < kth, -jnp.inf, logits_RV)
     fast_seen = slow_seen = False
     for top_p in (0.3, 0.8, 0.95, 0.995):
-        keep, exact = sampling._top_p_among_candidates(logits_RV, top_p, min(4096, max(256, top_k + 1)))
+        vals_RM, idx_RM = jax.lax.top_k(logits_RV, sampling.TOP_P_CANDIDATES)
+        keep, exact = sampling._top_p_among_candidates(logits_RV, vals_RM, idx_RM, jnp.float32(top_p))
         want = sampling._top_p_by_sort(logits_RV, top_p)
         exact = np.asarray(exact)
         np.testing.assert_array_equal(np.asarray(keep)[exact], np.asarray(want)[exact], err_msg=f"top_p={top_p}")

@@ -6,7 +6,7 @@ the jitted loop as an ordinary argument. `configure` fixes the per-call settings
 shape, sampling, cache length) before compilation.
 
 Inside the jitted loop, each round calls
-    draft, state = propose(params, state, root_B, keys_B)   # keys_B: one PRNG key per row
+    draft, state = propose(params, state, root_B, keys_B, sampling)   # one PRNG key and setting per row
     ... target verifies ...
     state = update(params, state, draft, verdict, features)
 where `features` are the target hidden states the drafter asked for (`feature_layers`,
@@ -44,6 +44,9 @@ class Settings:
     """Per-call static settings every drafter needs."""
 
     tree: TreeSpec | DynamicTreeSpec
+    # Greedy (temperature 0) drafts by argmax, anything else by drawing. In the loops it is only the mode
+    # (decode.GREEDY or decode.SAMPLED): each row's values reach `propose` as data. A drafter used alone
+    # (tests) draws with these values when propose gets none.
     sampling: SamplingConfig
     cache_len: int
     max_new_tokens: int  # output bucket: an upper bound on tokens one row can emit
@@ -64,8 +67,10 @@ class Drafter(Protocol):
 
     def init(self, params, ctx: PrefillContext) -> Any: ...
 
-    def propose(self, params, state, root_B: jax.Array, keys_B: jax.Array) -> tuple[Draft, Any]:
-        """A draft rooted at root_B, and the state after drafting (a draft model's cache holds its guesses)."""
+    def propose(self, params, state, root_B: jax.Array, keys_B: jax.Array, sampling=None) -> tuple[Draft, Any]:
+        """A draft rooted at root_B, and the state after drafting (a draft model's cache holds its guesses).
+
+        sampling: each row's values (RowSampling) when Settings.sampling is not greedy; None: Settings.sampling's."""
         ...
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features: tuple[jax.Array, ...]) -> Any: ...
@@ -82,6 +87,11 @@ def check_drafter_argument(drafter) -> None:
     if not all(callable(getattr(drafter, a, None)) for a in ("configure", "init", "propose", "update")):
         raise TypeError(f"drafter= must implement specjax's Drafter protocol (configure, init, propose, update), got "
                         f"{type(drafter).__name__}: load one with specjax.load_drafter(path, target)")
+
+
+def drafting_values(settings: Settings, sampling):
+    """What a sampling drafter draws with: the rows' values passed to propose, else Settings.sampling's."""
+    return settings.sampling if sampling is None else sampling
 
 
 def require_chain(name: str, settings: Settings) -> None:

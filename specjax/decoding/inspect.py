@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from specjax.config import SamplingConfig
-from specjax.decoding.decode import LoopConfig, prefill
+from specjax.decoding.decode import GREEDY, LoopConfig, prefill
 from specjax.decoding.drafter import Drafter, PrefillContext, Settings, check_drafter_argument
 from specjax.decoding.request import prepare, run_compiled
 from specjax.decoding.sampling import choose_token, row_keys, split_rows
@@ -37,15 +37,15 @@ class DraftInspection:
 
 
 @partial(jax.jit, static_argnames=("lc", "drafter"))
-def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, *, lc: LoopConfig,
+def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, rows, *, lc: LoopConfig,
                 drafter: Drafter):
     """Prefill, choose the root, init the drafter, propose once: (root [B], Draft)."""
-    del max_new_B
+    del max_new_B, rows  # one greedy round
     keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
     model = merge(lc.model, params)
     cache = model.init_cache(prompt_BT.shape[0], lc.cache_len)
     logits_BV, features, _ = prefill(model, lc, cache, prompt_BT, prompt_len_B, capture=drafter.feature_layers)
-    root_B = choose_token(sub_B, logits_BV, lc.sampling)
+    root_B = choose_token(sub_B, logits_BV, GREEDY)
     state = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, root_B, features))
     draft, _ = drafter.propose(draft_params, state, root_B, keys_B)
     return root_B, draft

@@ -8,18 +8,45 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
+import numpy as np
+
 from specjax.config import SamplingConfig
-from specjax.decoding.decode import ar_generate
-from specjax.decoding.request import GenerateOutput, finish, prepare, run_compiled
+from specjax.decoding.decode import ar_advance, ar_generate, ar_start
+from specjax.decoding.request import GenerateOutput, LoopResult, Options, Request, finish, prepare, run_loop
+from specjax.decoding.stream import ChunkedRun
 from specjax.models.target import Target
+
+
+def plain_run(target: Target, req: Request, texts=None) -> tuple[Any, float, float, ChunkedRun | None]:
+    """Run the plain loop for `req`: whole, or as a ChunkedRun to iterate (stop strings, streaming)."""
+    args = (target.params, *req.arrays())
+    max_new_B, rows = args[3], args[6]
+    return run_loop(target, req, ("ar", req.lc, req.prompt_BT.shape), ar_generate, ar_start, ar_advance, args,
+                    lambda state, until: (target.params, max_new_B, rows, state, until), {"lc": req.lc},
+                    first_step=1, texts=texts)
+
+
+def plain_result(req: Request, outputs) -> tuple[LoopResult, int]:
+    """(LoopResult, steps) from ar_generate's outputs or a final PlainState."""
+    if not isinstance(outputs, tuple):
+        outputs = (outputs.out_BO, outputs.count_B, outputs.step, outputs.logprobs)
+    out_BO, count_B, steps, logprobs = jax.tree.map(np.asarray, outputs)
+    return LoopResult(out_BO, count_B, logprobs), int(steps)
 
 
 def plain_generate(target: Target, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingConfig, seed,
                    eos_token_id, max_len: int | None, extra: dict[str, Any] | None = None,
-                   token_bucket: int = 0) -> GenerateOutput:
+                   token_bucket: int = 0, options: Options | None = None) -> GenerateOutput:
     """Plain autoregressive decoding of every prompt; `extra` is merged into out.stats (token_bucket: see prepare)."""
-    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, token_bucket=token_bucket)
-    (out_BO, count_B, steps), compile_s, run_s = run_compiled(
-        target, ("ar", req.lc, req.prompt_BT.shape), ar_generate, (target.params, *req.arrays()), {"lc": req.lc})
-    return finish(target, req, out_BO, count_B, compile_s, run_s,
-                  {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": int(steps), **(extra or {})})
+    req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, token_bucket=token_bucket,
+                  options=options)
+    outputs, compile_s, run_s, run = plain_run(target, req)
+    if run is not None:
+        for _ in run:
+            pass
+        outputs, run_s = run.state, run.run_s
+    result, steps = plain_result(req, outputs)
+    return finish(target, req, result, compile_s, run_s,
+                  {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": steps, **(extra or {})},
+                  None if run is None else run.rows)

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import SamplingConfig
-from specjax.decoding.decode import LoopConfig
+from specjax.config import PenaltyConfig, SamplingConfig, per_row
+from specjax.decoding.decode import LoopConfig, RowSettings
+from specjax.decoding.penalties import RowPenalties
+from specjax.decoding.sampling import RowSampling
+from specjax.decoding.stream import ChunkedRun, RowText, finish_reason, host_reader
 from specjax.models.target import Target
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
@@ -32,6 +35,10 @@ class GenerateOutput:
     texts: list[str] | None = None  # decoded text when the target has a tokenizer
     token_rounds: list[list[int]] | None = None  # speculative only: the round that emitted each token (0 = prefill)
     spec_stats: Any = None  # speculative only: the loop's SpecStats pytree (numpy), per row and per depth
+    finish_reasons: list[str] | None = None  # per row: "stop" (EOS, a stop token or a stop string) or "length"
+    stop_reasons: list[Any] | None = None  # per row: the stop string or token id that ended it; None for "length"
+    logprobs: list[list[float]] | None = None  # with logprobs=True: each token's raw log-probability
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # with top_logprobs=n: n (id, logprob) per token
 
     def summary(self) -> dict[str, Any]:
         """The few facts a notebook wants first: rows, tokens, acceptance length, speed, compile time, plan."""
@@ -189,8 +196,36 @@ def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
+class Options:
+    """What a call asks beyond sampling: penalties, stops, logprobs and how text is made (all per call)."""
+
+    penalties: PenaltyConfig = PenaltyConfig()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text
+    stop_token_ids: tuple[int, ...] = ()  # stop tokens beyond EOS
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int = -1  # -1: none; 0: each token's; n > 0: also the n most likely
+
+    def validate(self, vocab: int, has_tokenizer: bool) -> "Options":
+        if isinstance(self.stop, str):
+            return dataclasses.replace(self, stop=(self.stop,)).validate(vocab, has_tokenizer)
+        bad = [s for s in self.stop if not isinstance(s, str) or not s]
+        if bad:
+            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if self.stop and not has_tokenizer:
+            raise ValueError("stop strings are matched on decoded text, but this target has no tokenizer: pass "
+                             "stop_token_ids= instead")
+        ids = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+               or not 0 <= t < vocab]
+        if ids:
+            raise ValueError(f"stop_token_ids {ids} are not token ids of this vocabulary [0, {vocab})")
+        return dataclasses.replace(self, penalties=self.penalties.validate(), stop=tuple(self.stop),
+                                   stop_token_ids=tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
-    """One validated call, bucketed: padded prompt arrays, per-row seeds and the static loop configuration."""
+    """One validated call, bucketed: padded prompt arrays, per-row seeds and settings, the static loop config."""
 
     ids: list[list[int]]
     prompt_BT: np.ndarray
@@ -199,28 +234,46 @@ class Request:
     seeds_B: np.ndarray
     fold_B: np.ndarray
     seeds_used: int | list[int]
+    rows: RowSettings  # numpy
     lc: LoopConfig
+    options: Options
+    stop_ids: tuple[int, ...]  # EOS and stop_token_ids
 
     def arrays(self) -> tuple:
-        """The jitted loops' array arguments after params: prompts, lengths, budgets, per-row seeds and folds."""
-        return tuple(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
-                                                self.fold_B))
+        """The jitted loops' array arguments after params: prompts, lengths, budgets, per-row seeds and folds, and
+        the per-row settings."""
+        return (*(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
+                                           self.fold_B)), jax.tree.map(jnp.asarray, self.rows))
+
+    @property
+    def chunked(self) -> bool:
+        """Stop strings are checked on the host between chunks of the loop."""
+        return bool(self.options.stop)
 
 
 def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: SamplingConfig, eos_token_id,
-            max_len: int | None, seed, draft_nodes: int = 0, token_bucket: int = 0) -> Request:
-    """Validate prompts, lengths and seeds (`draft_nodes` cache slots for one draft) and bucket the shapes.
+            max_len: int | None, seed, draft_nodes: int = 0, token_bucket: int = 0,
+            options: Options | None = None) -> Request:
+    """Validate prompts, lengths, seeds and settings (`draft_nodes` cache slots for one draft) and bucket shapes.
 
     token_bucket: shape the loop for this many new tokens when it is more than max_new_tokens (rows still stop at
     max_new_tokens): a short run then shares a longer one's executable (calibration.run_times times both)."""
     ids = prompt_ids(target, prompts)
+    options = (options or Options()).validate(target.cfg.vocab_size, target.tokenizer is not None)
+    sampling = sampling.validate()
     shaped_for = max(max_new_tokens, token_bucket) if token_bucket else max_new_tokens
     cache_len = cache_length(target, ids, shaped_for, max_len, draft_nodes)
     prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
-    seeds_B, fold_B, used = row_seeds(seed, len(ids), prompt_BT.shape[0])
-    lc = LoopConfig(target.cfg, sampling, eos_ids(target, eos_token_id), bucket(shaped_for), cache_len,
-                    target.attn_impl)
-    return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, lc)
+    batch = prompt_BT.shape[0]
+    seeds_B, fold_B, used = row_seeds(seed, len(ids), batch)
+    stop_ids = tuple(dict.fromkeys(eos_ids(target, eos_token_id) + options.stop_token_ids))
+    stop_ids_BS = np.full((batch, bucket(len(stop_ids), minimum=1)), -1, np.int32)
+    stop_ids_BS[:, :len(stop_ids)] = stop_ids
+    rows = RowSettings(RowSampling.of(sampling, len(ids), batch), RowPenalties.of(options.penalties, len(ids), batch),
+                       stop_ids_BS)
+    lc = LoopConfig(target.cfg, not sampling.greedy, bucket(shaped_for), cache_len, target.attn_impl,
+                    penalties=options.penalties.active, logprobs=options.logprobs)
+    return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, rows, lc, options, stop_ids)
 
 
 def eos_ids(target: Target, override: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -236,12 +289,12 @@ def params_signature(tree) -> tuple:
                           for x in leaves)
 
 
-def run_compiled(target: Target, key: tuple, fn, args: tuple, static: dict) -> tuple[Any, float, float]:
-    """Compile `fn` once per (key, argument signature) on this target (cached), then run it.
+def compiled_for(target: Target, key: tuple, fn, args: tuple, static: dict) -> tuple[Any, float]:
+    """`fn` compiled once per (key, argument signature) on this target (cached): (executable, compile_s).
 
-    Returns (result, compile_s, run_s). The signature of every array argument (params
-    included) is part of the cache key, so two drafters whose params differ in structure,
-    shape, dtype or sharding get their own executables instead of a type error.
+    The signature of every array argument (params included) is part of the cache key, so two drafters
+    whose params differ in structure, shape, dtype or sharding get their own executables instead of a
+    type error.
     """
     full_key = (*key, params_signature(args))
     compile_s = 0.0
@@ -249,27 +302,89 @@ def run_compiled(target: Target, key: tuple, fn, args: tuple, static: dict) -> t
         start = time.perf_counter()
         target.compiled[full_key] = fn.lower(*args, **static).compile()
         compile_s = time.perf_counter() - start
+    return target.compiled[full_key], compile_s
+
+
+def run_compiled(target: Target, key: tuple, fn, args: tuple, static: dict) -> tuple[Any, float, float]:
+    """Compile `fn` (see compiled_for), then run it: (result, compile_s, run_s)."""
+    executable, compile_s = compiled_for(target, key, fn, args, static)
     start = time.perf_counter()
-    result = jax.block_until_ready(target.compiled[full_key](*args))
+    result = jax.block_until_ready(executable(*args))
     return result, compile_s, time.perf_counter() - start
 
 
-def finish(target: Target, req: Request, out_BO, count_B, compile_s: float, run_s: float,
-           extra_stats: dict[str, Any], round_BO=None, spec_stats=None) -> GenerateOutput:
-    """Trim the output buffers to each row's tokens and assemble the statistics every call reports."""
-    count_B = np.asarray(count_B)
-    tokens = trim(np.asarray(out_BO), count_B, len(req.ids))
+def row_texts(target: Target, req: Request) -> list[RowText]:
+    """Each prompt's incremental text and stop-string state (stream.RowText), with the call's options."""
+    o = req.options
+    min_tokens = per_row(o.penalties.min_tokens, len(req.ids), "min_tokens")
+    return [RowText(target, o.stop, o.include_stop_str_in_output, o.skip_special_tokens, m) for m in min_tokens]
+
+
+def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, args: tuple, advance_args,
+             static: dict, first_step: int, texts: list[RowText] | None = None) -> tuple[Any, float, float, Any]:
+    """Run a loop whole (`whole`, one executable) or, with stop strings or a stream, chunk by chunk.
+
+    whole(*args) -> outputs; start(*args) -> state; advance(*advance_args(state, until)) -> state. Returns
+    (outputs or final state, compile_s, run_s, the ChunkedRun or None). `texts` given: the chunks are yielded
+    through the ChunkedRun, which the caller iterates (streaming)."""
+    if texts is None and not req.chunked:
+        result, compile_s, run_s = run_compiled(target, (*key, "whole"), whole, args, static)
+        return result, compile_s, run_s, None
+    start_x, c1 = compiled_for(target, (*key, "start"), start, args, static)
+    probe = jax.eval_shape(lambda *a: start(*a, **static), *args)
+    advance_x, c2 = compiled_for(target, (*key, "advance"), advance, advance_args(probe, jnp.int32(0)), static)
+    run = ChunkedRun(lambda: start_x(*args), lambda state, until: advance_x(*advance_args(state, until)),
+                     host_reader, first_step, req.lc.out_len, texts or row_texts(target, req), req.stop_ids)
+    return None, c1 + c2, 0.0, run
+
+
+@dataclasses.dataclass
+class LoopResult:
+    """A loop's outputs on the host (numpy): tokens [B, O], counts [B], and what the loop kept besides."""
+
+    out_BO: np.ndarray
+    count_B: np.ndarray
+    logprobs: Any = None  # decode.Logprobs or None
+    round_BO: np.ndarray | None = None  # speculative: the round that emitted each token
+    spec_stats: Any = None  # speculative: SpecStats
+
+
+def finish(target: Target, req: Request, result: LoopResult, compile_s: float, run_s: float,
+           extra_stats: dict[str, Any], texts: list[RowText] | None = None) -> GenerateOutput:
+    """Trim the output buffers to each row's tokens and assemble the statistics every call reports.
+
+    texts: the rows' RowTexts of a chunked run (their text already cut at a stop string; their token count is
+    what each row keeps); None: every emitted token is kept and decoded here."""
+    n_rows = len(req.ids)
+    kept_B = result.count_B if texts is None else np.asarray([len(t.tokens) for t in texts])
+    tokens = trim(result.out_BO, kept_B, n_rows)
     n = sum(len(t) for t in tokens)
     stats = {"tokens_per_s": n / run_s, "compile_s": compile_s, "decode_s": run_s, "generated_tokens": n,
              **extra_stats, "batch_bucket": req.prompt_BT.shape[0], "cache_len": req.lc.cache_len,
              "seed": req.seeds_used}
-    rounds = None if round_BO is None else trim(np.asarray(round_BO), count_B, len(req.ids))
-    return GenerateOutput(tokens, stats, decode_texts(target, tokens), rounds, spec_stats)
+    rounds = None if result.round_BO is None else trim(result.round_BO, kept_B, n_rows)
+    if texts is not None:
+        out_texts = [t.text for t in texts] if target.tokenizer is not None else None
+        reasons = [finish_reason(t.tokens, t.stop_reason, req.stop_ids) for t in texts]
+    else:
+        out_texts = decode_texts(target, tokens, req.options.skip_special_tokens)
+        reasons = [finish_reason(t, None, req.stop_ids) for t in tokens]
+    out = GenerateOutput(tokens, stats, out_texts, rounds, result.spec_stats,
+                         finish_reasons=[r for r, _ in reasons], stop_reasons=[s for _, s in reasons])
+    if result.logprobs is not None:
+        lp = result.logprobs
+        out.logprobs = [lp.token_BO[i, :len(t)].tolist() for i, t in enumerate(tokens)]
+        if req.lc.logprobs > 0:
+            out.top_logprobs = [[list(zip(lp.top_ids_BOK[i, j].tolist(), lp.top_BOK[i, j].tolist()))
+                                 for j in range(len(t))] for i, t in enumerate(tokens)]
+    return out
 
 
 def trim(out_BO: np.ndarray, count_B: np.ndarray, n_rows: int) -> list[list[int]]:
-    return [out_BO[i, : count_B[i]].tolist() for i in range(n_rows)]
+    return [np.asarray(out_BO)[i, : count_B[i]].tolist() for i in range(n_rows)]
 
 
-def decode_texts(target: Target, tokens: list[list[int]]) -> list[str] | None:
-    return [target.decode(t) for t in tokens] if target.tokenizer is not None else None
+def decode_texts(target: Target, tokens: list[list[int]], skip_special_tokens: bool = True) -> list[str] | None:
+    if target.tokenizer is None:
+        return None
+    return [target.decode(t, skip_special_tokens=skip_special_tokens) for t in tokens]

@@ -1,46 +1,123 @@
-"""Turning logits into a token: greedy, or temperature / top-k / top-p sampling.
+"""Turning logits into a token: greedy, or temperature / min-p / top-k / top-p sampling, each row its own.
 
 `sampling_logprobs` is the one definition of the distribution a sampler draws from;
 verification applies the same function to target and draft logits, which is what
-keeps speculative sampling exactly equal to plain sampling.
+keeps speculative sampling exactly equal to plain sampling. Its settings are data
+(`RowSampling`, one value per row), so new values never compile the loop again and one
+batch can mix greedy and sampled rows; a `SamplingConfig` stands for the same values.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from specjax.config import SamplingConfig
+from specjax.config import SamplingConfig, per_row
 
-# Top-p is decided among this many largest logits (lax.top_k) whenever they hold the top_p mass (or, with top_k,
-# every token top-k keeps); otherwise by bisection over the whole vocabulary. Neither sorts it.
+# Top-k and top-p are decided among this many largest logits (one lax.top_k) whenever they hold the top_p mass
+# and the k-th largest; otherwise by bisection over the whole vocabulary. Neither sorts it.
 TOP_P_CANDIDATES = 256
 
 
-def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """Log-probabilities after temperature, top-k and top-p (masked entries are -inf).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings as arrays [B] (data: changing them reuses the compiled loop)."""
 
-    The order and rules of Hugging Face's warpers (Temperature, TopK, TopP): top-k keeps every
-    token tied with the k-th logit; top-p follows TopPLogitsWarper position by position, so a
-    tie group at the cut is split, lower token ids dropped first (torch.sort(stable=True) order).
+    temperature: jax.Array  # float32; 0 = this row is greedy
+    top_k: jax.Array  # int32; 0 = off
+    top_p: jax.Array  # float32; 1 = off
+    min_p: jax.Array  # float32; 0 = off
+
+    @classmethod
+    def of(cls, sampling: SamplingConfig, n_rows: int, batch: int) -> "RowSampling":
+        """Host arrays for a batch of `batch` rows whose first n_rows are prompts (padding rows greedy)."""
+        def column(name, dtype, pad):
+            values = per_row(getattr(sampling, name), n_rows, name)
+            return np.asarray(list(values) + [pad] * (batch - n_rows), dtype)
+
+        return cls(column("temperature", np.float32, 0.0), column("top_k", np.int32, 0),
+                   column("top_p", np.float32, 1.0), column("min_p", np.float32, 0.0))
+
+
+def as_rows(sampling: SamplingConfig | RowSampling, rows: int) -> RowSampling:
+    """`sampling` as RowSampling for `rows` rows (a SamplingConfig's values repeated)."""
+    if isinstance(sampling, RowSampling):
+        return sampling
+    return jax.tree.map(jnp.asarray, RowSampling.of(sampling.validate(), rows, rows))
+
+
+def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """Log-probabilities after temperature, min-p, top-k and top-p (masked entries are -inf); a greedy row
+    (temperature 0) gets all its mass on its argmax (first index among ties).
+
+    Rows are the leading axis of logits_XV ([B, ...] with any axes between; row b uses sampling's entry b).
+    Top-k keeps every token tied with the k-th logit (HF's TopKLogitsWarper); top-p follows TopPLogitsWarper
+    position by position, so a tie group at the cut is split, lower token ids dropped first
+    (torch.sort(stable=True) order); min-p keeps p >= min_p * max p (vLLM's MinPLogitsProcessor).
     """
-    logits_XV = logits_XV.astype(jnp.float32) / sampling.temperature
-    vocab = logits_XV.shape[-1]
-    top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
-    if top_k:
-        # The k-th largest as the minimum of the top k: XLA:CPU turns a slice of lax.top_k's values into a full
-        # sort of the vocabulary (7.5 ms against 0.2 ms at [8, 4096]).
-        kth_X1 = jnp.min(lax.top_k(logits_XV, top_k)[0], axis=-1, keepdims=True)
-        logits_XV = jnp.where(logits_XV < kth_X1, -jnp.inf, logits_XV)
-    if sampling.top_p < 1.0:
-        lead = logits_XV.shape[:-1]
-        flat_RV = logits_XV.reshape(-1, vocab)
-        m = min(vocab, max(TOP_P_CANDIDATES, top_k + 1))
-        keep_RV, exact_R = _top_p_among_candidates(flat_RV, sampling.top_p, m)
-        keep_RV = lax.cond(jnp.all(exact_R), lambda: keep_RV, lambda: _top_p_by_bisection(flat_RV, sampling.top_p))
-        logits_XV = jnp.where(keep_RV.reshape(*lead, vocab), logits_XV, -jnp.inf)
-    return jax.nn.log_softmax(logits_XV, axis=-1)
+    lead, vocab = logits_XV.shape[:-1], logits_XV.shape[-1]
+    rows = as_rows(sampling, lead[0])
+    per_row_R = lambda x: jnp.broadcast_to(x.reshape((-1,) + (1,) * (len(lead) - 1)), lead).reshape(-1)  # noqa: E731
+    temp_R, k_R, p_R, min_p_R = (per_row_R(x) for x in (rows.temperature, rows.top_k, rows.top_p, rows.min_p))
+    raw_RV = logits_XV.reshape(-1, vocab).astype(jnp.float32)
+    greedy_R = temp_R == 0.0
+    z_RV = raw_RV / jnp.where(greedy_R, 1.0, temp_R)[:, None]
+    filtered = jnp.any(~greedy_R & ((k_R > 0) & (k_R < vocab) | (p_R < 1.0) | (min_p_R > 0.0)))
+    z_RV = lax.cond(filtered, lambda: _filter(z_RV, k_R, p_R, min_p_R), lambda: z_RV)
+    logp_RV = jax.nn.log_softmax(z_RV, axis=-1)
+    argmax_R = jnp.argmax(raw_RV, axis=-1)
+    one_hot_RV = jnp.where(jnp.arange(vocab) == argmax_R[:, None], 0.0, -jnp.inf)
+    return jnp.where(greedy_R[:, None], one_hot_RV, logp_RV).reshape(logits_XV.shape)
+
+
+def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array) -> jax.Array:
+    """Temperature-scaled logits with min-p, top-k and top-p applied per row (dropped tokens -inf)."""
+    rows, vocab = z_RV.shape
+    m = min(vocab, TOP_P_CANDIDATES)
+    vals_RM, idx_RM = lax.top_k(z_RV, m)  # descending; ties in ascending id
+    # min-p: p >= min_p * max p, i.e. z >= max z + log(min_p).
+    min_p_cut_R = jnp.where(min_p_R > 0, vals_RM[:, 0] + jnp.log(jnp.maximum(min_p_R, 1e-30)), -jnp.inf)
+    top_k_on_R = (k_R > 0) & (k_R < vocab)
+    # The k-th largest read from the candidates with a gather (XLA:CPU turns a slice of lax.top_k's values into
+    # a full sort of the vocabulary); past the candidates, by bisection.
+    kth_R = jnp.take_along_axis(vals_RM, jnp.clip(k_R - 1, 0, m - 1)[:, None], axis=-1)[:, 0]
+    beyond_R = top_k_on_R & (k_R > m)
+    kth_R = lax.cond(jnp.any(beyond_R), lambda: jnp.where(beyond_R, _kth_by_bisection(z_RV, k_R), kth_R),
+                     lambda: kth_R)
+    cut_R = jnp.maximum(min_p_cut_R, jnp.where(top_k_on_R, kth_R, -jnp.inf))
+    z_RV = jnp.where(z_RV < cut_R[:, None], -jnp.inf, z_RV)
+    vals_RM = jnp.where(vals_RM < cut_R[:, None], -jnp.inf, vals_RM)
+    top_p_on_R = p_R < 1.0
+    keep_RV, exact_R = _top_p_among_candidates(z_RV, vals_RM, idx_RM, p_R)
+    keep_RV = lax.cond(jnp.all(exact_R | ~top_p_on_R), lambda: keep_RV, lambda: _top_p_by_bisection(z_RV, p_R))
+    return jnp.where(keep_RV | ~top_p_on_R[:, None], z_RV, -jnp.inf)
+
+
+def _float_order_key(x_RV: jax.Array) -> jax.Array:
+    """uint32 keys in the float32 order of x (an order-preserving bit image, used to bisect over values)."""
+    bits_RV = lax.bitcast_convert_type(x_RV.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits_RV >> 31 == 1, ~bits_RV, bits_RV | jnp.uint32(0x80000000))
+
+
+def _kth_by_bisection(z_RV: jax.Array, k_R: jax.Array) -> jax.Array:
+    """The k-th largest value of each row, without a sort: 32 halvings over the float order, each one count."""
+    key_RV = _float_order_key(z_RV)
+
+    def halve(_, bounds):  # invariant: at least k values >= lo, fewer than k >= hi
+        lo_R, hi_R = bounds
+        mid_R = lo_R + (hi_R - lo_R) // 2
+        good_R = jnp.sum(key_RV >= mid_R[:, None], axis=-1) >= k_R
+        return jnp.where(good_R, mid_R, lo_R), jnp.where(good_R, hi_R, mid_R)
+
+    rows = z_RV.shape[0]
+    lo_R, _ = lax.fori_loop(0, 32, halve, (jnp.zeros((rows,), jnp.uint32), jnp.full((rows,), 0xFFFFFFFF, jnp.uint32)))
+    # The value whose key is lo: the smallest value with key >= lo.
+    return jnp.min(jnp.where(key_RV >= lo_R[:, None], z_RV, jnp.inf), axis=-1)
 
 
 def _top_p_by_sort(logits_RV: jax.Array, top_p: float) -> jax.Array:
@@ -55,7 +132,7 @@ def _top_p_by_sort(logits_RV: jax.Array, top_p: float) -> jax.Array:
     return ~drop_RV
 
 
-def _top_p_by_bisection(logits_RV: jax.Array, top_p: float) -> jax.Array:
+def _top_p_by_bisection(logits_RV: jax.Array, top_p_R: jax.Array) -> jax.Array:
     """bool [R, V] kept by top-p for any row, without a sort: 32 halvings over the logits' float order.
 
     The cut falls in the tie group of the largest logit v whose tokens at or above it hold >= top_p of the mass
@@ -64,8 +141,8 @@ def _top_p_by_bisection(logits_RV: jax.Array, top_p: float) -> jax.Array:
     higher ids) leaves more than 1 - top_p after it. v is found by bisection over the order-preserving uint32
     image of the float32 logits, each step one masked sum over the vocabulary."""
     p_RV = jax.nn.softmax(logits_RV, axis=-1)
-    bits_RV = lax.bitcast_convert_type(logits_RV.astype(jnp.float32), jnp.uint32)
-    key_RV = jnp.where(bits_RV >> 31 == 1, ~bits_RV, bits_RV | jnp.uint32(0x80000000))  # float order as uint32
+    key_RV = _float_order_key(logits_RV)
+    top_p_R1 = jnp.broadcast_to(top_p_R, logits_RV.shape[:1])[:, None]
 
     def mass_from(k_R):
         return jnp.sum(jnp.where(key_RV >= k_R[:, None], p_RV, 0.0), axis=-1)
@@ -73,7 +150,7 @@ def _top_p_by_bisection(logits_RV: jax.Array, top_p: float) -> jax.Array:
     def halve(_, bounds):  # invariant: lo holds >= top_p of the mass from it up, hi does not
         lo_R, hi_R = bounds
         mid_R = lo_R + (hi_R - lo_R) // 2
-        good_R = 1.0 - mass_from(mid_R) <= 1.0 - top_p
+        good_R = 1.0 - mass_from(mid_R) <= 1.0 - top_p_R1[:, 0]
         return jnp.where(good_R, mid_R, lo_R), jnp.where(good_R, hi_R, mid_R)
 
     rows = logits_RV.shape[0]
@@ -82,11 +159,13 @@ def _top_p_by_bisection(logits_RV: jax.Array, top_p: float) -> jax.Array:
     tied_RV = key_RV == cut_R[:, None]
     p_tied_R1 = jnp.max(jnp.where(tied_RV, p_RV, 0.0), axis=-1, keepdims=True)
     higher_RV = jnp.sum(tied_RV, axis=-1, keepdims=True) - jnp.cumsum(tied_RV, axis=-1)  # tied tokens of higher id
-    return (key_RV > cut_R[:, None]) | (tied_RV & (1.0 - (above_R1 + higher_RV * p_tied_R1) > 1.0 - top_p))
+    return (key_RV > cut_R[:, None]) | (tied_RV & (1.0 - (above_R1 + higher_RV * p_tied_R1) > 1.0 - top_p_R1))
 
 
-def _top_p_among_candidates(logits_RV: jax.Array, top_p: float, m: int) -> tuple[jax.Array, jax.Array]:
-    """bool [R, V] kept by top-p, decided among the m largest logits, and bool [R]: whether that is exact.
+def _top_p_among_candidates(logits_RV: jax.Array, vals_RM: jax.Array, idx_RM: jax.Array,
+                            top_p_R: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """bool [R, V] kept by top-p, decided among the m largest logits (vals_RM, idx_RM: lax.top_k of logits_RV),
+    and bool [R]: whether that is exact.
 
     The warper's ascending stable order, read from the top, is descending with ties in descending token id. A token
     is dropped iff the mass ranked after it there, read ascending (1 - the mass ranked before it from the top), is
@@ -97,7 +176,8 @@ def _top_p_among_candidates(logits_RV: jax.Array, top_p: float, m: int) -> tuple
     token with mass is a candidate (top-k kept fewer than m). The decisions equal the sort's up to the rounding
     of the cumulative sums, summed here from the top down."""
     rows, vocab = logits_RV.shape
-    vals_RM, idx_RM = lax.top_k(logits_RV, m)  # descending; ties in ascending id
+    m = vals_RM.shape[-1]
+    top_p_R1 = jnp.broadcast_to(top_p_R, (rows,))[:, None]
     pos_M = jnp.arange(m)
     p_RM = jnp.exp(vals_RM - jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True))
     above_RM = jnp.cumsum(p_RM, axis=-1) - p_RM  # mass of the candidates listed before
@@ -110,9 +190,10 @@ def _top_p_among_candidates(logits_RV: jax.Array, top_p: float, m: int) -> tuple
     last_RM = lax.cummin(jnp.where(ends_RM, pos_M, m - 1), axis=1, reverse=True)  # and ends
     group_above_RM = jnp.take_along_axis(above_RM, first_RM, axis=-1)
     before_RM = group_above_RM + (last_RM - pos_M) * p_RM
-    keep_RM = 1.0 - before_RM > 1.0 - top_p
+    keep_RM = 1.0 - before_RM > 1.0 - top_p_R1
     # The m-th largest logit's tie group may go on past the candidates: what ranks above it must hold top_p.
-    exact_R = (m == vocab) | (1.0 - group_above_RM[:, -1] <= 1.0 - top_p) | (jnp.min(vals_RM, axis=-1) == -jnp.inf)
+    exact_R = ((m == vocab) | (1.0 - group_above_RM[:, -1] <= 1.0 - top_p_R1[:, 0])
+               | (jnp.min(vals_RM, axis=-1) == -jnp.inf))
     keep_RV = jnp.zeros((rows, vocab), jnp.bool_).at[jnp.arange(rows)[:, None], idx_RM].set(keep_RM)
     return keep_RV, exact_R
 
@@ -147,8 +228,9 @@ def uniform_rows(keys_B: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(keys_B)
 
 
-def choose_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """One token per row: argmax when greedy, else a draw from `sampling_logprobs` with the row's own key."""
-    if sampling.greedy:
+def choose_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """One token per row: argmax when `sampling` is a greedy SamplingConfig (the compiled greedy path), else a draw
+    from `sampling_logprobs` with the row's own key (a greedy row among sampled ones draws its argmax)."""
+    if isinstance(sampling, SamplingConfig) and sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     return sample_rows(keys_B, sampling_logprobs(logits_BV, sampling))

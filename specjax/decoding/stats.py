@@ -88,6 +88,23 @@ def record_width(stats: SpecStats, width: jax.Array) -> SpecStats:
     return dataclasses.replace(stats, width_rounds_W=stats.width_rounds_W.at[width].add(1))
 
 
+def emitted_only(stats: SpecStats, round_BO: np.ndarray, depth_BO: np.ndarray, kept_B: np.ndarray) -> SpecStats:
+    """The acceptance statistics of a run whose rows keep only their first kept_B tokens (a stop string cut on
+    the host after the loop emitted more): per row rounds, emitted tokens and accepted drafts, and per depth the
+    accepted drafts, counted from the tokens kept (each one's round and draft depth). What the loop did (nodes
+    offered and verified, iterations, sibling ranks) stays as it ran."""
+    s = jax.tree.map(np.asarray, stats)
+    batch, out_len = round_BO.shape
+    kept_BO = np.arange(out_len)[None, :] < np.asarray(kept_B)[:batch, None]
+    round_BO = np.where(kept_BO, round_BO, 0)
+    depth_BO = np.where(kept_BO, depth_BO, 0)
+    rounds_B = np.asarray([len(np.unique(r[r > 0])) for r in round_BO], np.int32)
+    max_depth = s.accepted_D.shape[0]
+    accepted_D = np.asarray([(depth_BO == d).sum() for d in range(1, max_depth + 1)], np.int32)
+    return dataclasses.replace(s, rounds_B=rounds_B, emitted_B=(round_BO > 0).sum(axis=1).astype(np.int32),
+                               accepted_B=(depth_BO > 0).sum(axis=1).astype(np.int32), accepted_D=accepted_D)
+
+
 def summarize(stats: SpecStats, n_rows: int, calls_per_round: int) -> dict[str, Any]:
     """JSON-friendly figures for `out.stats` (real prompts only; padding rows never emit).
 

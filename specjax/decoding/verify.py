@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import SamplingConfig
-from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows, uniform_rows
+from specjax.decoding.sampling import RowSampling, sample_rows, sampling_logprobs, split_rows, uniform_rows
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +74,8 @@ def verify_greedy(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arra
     return Verdict(path_BN, length_B, bonus_B)
 
 
-def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array, sampling: SamplingConfig,
+def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array,
+                   sampling: SamplingConfig | RowSampling,
                    keys_B: jax.Array) -> Verdict:
     """Recursive rejection sampling over the tree in node order (children follow their parent).
 
@@ -112,8 +113,11 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
     return Verdict(path_BN, length_B, bonus_B)
 
 
-def verify(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array, sampling: SamplingConfig,
+def verify(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Array, sampling: SamplingConfig | RowSampling,
            keys_B: jax.Array) -> Verdict:
-    if sampling.greedy:
+    """Greedy acceptance for a greedy SamplingConfig (the compiled greedy path), else rejection sampling against
+    each row's own sampling distribution (a greedy row's is one-hot at its argmax, so it accepts exactly the
+    greedy drafts)."""
+    if isinstance(sampling, SamplingConfig) and sampling.greedy:
         return verify_greedy(draft, mask_BNN, target_logits_BNV)
     return verify_sampled(draft, mask_BNN, target_logits_BNV, sampling, keys_B)

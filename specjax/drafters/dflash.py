@@ -355,8 +355,8 @@ class DFlashDrafter:
     def init(self, params, ctx: PrefillContext) -> KVCache:
         return backbone(self.cfg, params).context_after_prefill(ctx, self.settings.cache_len)
 
-    def propose(self, params, state: KVCache, root_B, keys_B):
-        del keys_B  # argmax drafts under any sampling
+    def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
+        del keys_B, sampling  # argmax drafts under any sampling
         k = self.settings.tree.num_nodes - 1
         b = root_B.shape[0]
         vocab = tables(self.cfg, params)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import ModelConfig
-from specjax.decoding.drafter import PrefillContext, Settings, chain_nodes
+from specjax.decoding.drafter import PrefillContext, Settings, chain_nodes, drafting_values
 from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
@@ -80,22 +80,22 @@ class DraftModelDrafter:
     def _dynamic(self) -> bool:
         return isinstance(self.settings.tree, DynamicTreeSpec)
 
-    def _choose(self, keys_B, logits_BV):
+    def _choose(self, keys_B, logits_BV, sampling):
         """Next draft token and, when sampling, the distribution it was drawn from (row b with keys_B[b])."""
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
-        logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
+        logp_BV = sampling_logprobs(logits_BV, sampling)
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
         model = merge(self.cfg, params)
         if self.settings.tree.is_chain:
-            return self._propose_chain(model, state, root_B, keys_B)
+            return self._propose_chain(model, state, root_B, keys_B, drafting_values(self.settings, sampling))
         if self._dynamic:
             return self._propose_dynamic(model, state, root_B)
         return self._propose_tree(model, state, root_B)
 
-    def _propose_chain(self, model: Decoder, state, root_B, keys_B):
+    def _propose_chain(self, model: Decoder, state, root_B, keys_B, sampling):
         cache, prev_B = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
@@ -104,7 +104,7 @@ class DraftModelDrafter:
         h_B2D, _, step_cache = model.forward(jnp.stack([prev_B, root_B], axis=1), step_cache,
                                        attn_impl=self.attn_impl)
         logits_BV = model.logits(h_B2D[:, 1:])[:, 0]
-        tok_B, q_BV = self._choose(keys[0], logits_BV)
+        tok_B, q_BV = self._choose(keys[0], logits_BV, sampling)
         record = self.settings.record_logits
 
         def step(carry, xs):
@@ -113,7 +113,7 @@ class DraftModelDrafter:
             h_B1D, _, c = model.forward(tok_B[:, None], KVCache(kc, vc, length_B + i),
                                   attn_impl=self.attn_impl)
             step_logits_BV = model.logits(h_B1D)[:, 0]
-            nxt_B, q_BV = self._choose(step_keys_B, step_logits_BV)
+            nxt_B, q_BV = self._choose(step_keys_B, step_logits_BV, sampling)
             return (c.k, c.v, nxt_B), (nxt_B, q_BV, step_logits_BV if record else None)
 
         (kc, vc, _), (rest_KB, rest_q, rest_logits) = lax.scan(

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.drafter import PrefillContext, Settings, drafting_values
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
@@ -204,7 +204,7 @@ def init_params(cfg: DSparkConfig, key: jax.Array, embed: jax.Array | None = Non
 
 
 def markov_chain(markov: MarkovHead, settings: Settings, u_BKV: jax.Array, anchor_B: jax.Array,
-                 keys_KB: jax.Array | None):
+                 keys_KB: jax.Array | None, sampling=None):
     """The sequential stage, left to right: drafts [B, K], q [B, K, V] (None when greedy), logits [B, K, V].
 
     Step k adds W2 W1[x_{k-1}] to U_k (x_0 = the anchor; nothing without a Markov head) and picks x_k:
@@ -219,7 +219,7 @@ def markov_chain(markov: MarkovHead, settings: Settings, u_BKV: jax.Array, ancho
         if greedy:
             tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
             return tok_B, (tok_B, logits_BV, None)
-        logp_BV = sampling_logprobs(logits_BV, settings.sampling)
+        logp_BV = sampling_logprobs(logits_BV, drafting_values(settings, sampling))
         tok_B = sample_rows(key_B, logp_BV)
         return tok_B, (tok_B, logits_BV, jnp.exp(logp_BV))
 
@@ -305,7 +305,7 @@ class DSparkDrafter:
     def init(self, params, ctx: PrefillContext) -> KVCache:
         return backbone(self.cfg.block, params).context_after_prefill(ctx, self.settings.cache_len)
 
-    def propose(self, params, state: KVCache, root_B, keys_B):
+    def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
         k = self.settings.tree.num_nodes - 1
         b = root_B.shape[0]
         net = networks(self.cfg, params)
@@ -313,7 +313,8 @@ class DSparkDrafter:
         h_BKH = h_BGH[:, :k]  # row k - 1 predicts position P + k: draft k
         u_BKV = net.tables.logits(h_BKH)
         keys_KB = None if self.settings.sampling.greedy else split_rows(keys_B, k)
-        drafts_BK, q_BKV, logits_BKV = markov_chain(net.markov, self.settings, u_BKV, root_B, keys_KB)
+        drafts_BK, q_BKV, logits_BKV = markov_chain(net.markov, self.settings, u_BKV, root_B, keys_KB,
+                                                    drafting_values(self.settings, sampling))
         if net.confidence is not None:
             prev_BK = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_BK[:, :-1]], axis=1)
             conf_BK = net.confidence.calibrated(net.confidence_logits(h_BKH, prev_BK))

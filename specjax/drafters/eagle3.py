@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 from specjax.config import ModelConfig, RopeConfig
-from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes
+from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes, drafting_values
 from specjax.decoding.dynamic_tree import build_tree
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
@@ -301,37 +301,37 @@ class Eagle3Drafter:
         last_h_BD = jnp.take_along_axis(h_BTD, last_B1[:, :, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_h_BD
 
-    def _choose(self, head: Eagle3Head, keys_B, h_BD):
+    def _choose(self, head: Eagle3Head, keys_B, h_BD, sampling):
         """Next draft (a target id) from the head's hidden; q over the target vocabulary when sampling; and,
         when recording (inspect_draft), the target-vocabulary logits it was chosen from."""
         logits_BV = head.draft_logits(h_BD[:, None])[:, 0]
         record = head.target_logits(logits_BV) if self.settings.record_logits else None
         if self.settings.sampling.greedy:
             return head.to_target_ids(jnp.argmax(logits_BV, axis=-1)), None, record
-        logp_BV = sampling_logprobs(head.target_logits(logits_BV), self.settings.sampling)
+        logp_BV = sampling_logprobs(head.target_logits(logits_BV), sampling)
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), record
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
         head, tree = head_of(self.cfg, params), self.settings.tree
         if isinstance(tree, DynamicTreeSpec):
             return self._propose_dynamic(head, state, root_B)
         if not tree.is_chain:
             return self._propose_tree(head, state, root_B)
-        return self._propose_chain(head, state, root_B, keys_B)
+        return self._propose_chain(head, state, root_B, keys_B, drafting_values(self.settings, sampling))
 
-    def _propose_chain(self, head: Eagle3Head, state, root_B, keys_B):
+    def _propose_chain(self, head: Eagle3Head, state, root_B, keys_B, sampling):
         cache, last_h_BD = state
         length_B = cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV, logits_BV = self._choose(head, keys[0], last_h_BD)
+        tok_B, q_BV, logits_BV = self._choose(head, keys[0], last_h_BD, sampling)
 
         def step(carry, xs):
             kc, vc, tok_B, h_BD = carry
             i, step_keys_B = xs
             h_B1D, c = head.midlayer(tok_B[:, None], h_BD[:, None], KVCache(kc, vc, length_B + i),
                                      attn_impl=self.attn_impl)
-            nxt_B, q_BV, logits_BV = self._choose(head, step_keys_B, h_B1D[:, 0])
+            nxt_B, q_BV, logits_BV = self._choose(head, step_keys_B, h_B1D[:, 0], sampling)
             return (c.k, c.v, nxt_B, h_B1D[:, 0]), (nxt_B, q_BV, logits_BV)
 
         (kc, vc, _, _), (rest_KB, rest_q, rest_logits) = lax.scan(

@@ -68,7 +68,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes, require_chain
+from specjax.decoding.drafter import (
+    PrefillContext,
+    Settings,
+    accepted_tokens,
+    chain_nodes,
+    drafting_values,
+    require_chain,
+)
 from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
@@ -319,20 +326,21 @@ class MtpDrafter:
         last_out_BD = jnp.take_along_axis(out_BTD, last_B1[:, :, None], axis=1)[:, 0]
         return KVCache(cache.k, cache.v, ctx.prompt_len), last_out_BD
 
-    def _choose(self, head: MtpHead, j, keys_B, out_BD):
+    def _choose(self, head: MtpHead, j, keys_B, out_BD, sampling):
         """Next draft from layer j's output, q over the vocabulary when sampling, and the logits it came from."""
         logits_BV = head.logits(j, out_BD)
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None, logits_BV
-        logp_BV = sampling_logprobs(logits_BV, self.settings.sampling)
+        logp_BV = sampling_logprobs(logits_BV, sampling)
         return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), logits_BV
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
+        sampling = drafting_values(self.settings, sampling)
         head, (cache, last_out_BD) = head_of(self.cfg, params), state
         n, length_B = self.cfg.num_layers, cache.lengths
         k = self.settings.tree.num_nodes - 1
         keys = split_rows(keys_B, k)
-        tok_B, q_BV, logits_BV = self._choose(head, 0, keys[0], last_out_BD)
+        tok_B, q_BV, logits_BV = self._choose(head, 0, keys[0], last_out_BD, sampling)
         h_BD = head.feedback(0, last_out_BD)
         ks, vs, uses = list(cache.k), list(cache.v), [0] * n
         tokens, qs, logits = [tok_B], [q_BV], [logits_BV]
@@ -342,7 +350,7 @@ class MtpDrafter:
             out_B1D, ks[j], vs[j] = head.step(j, tok_B[:, None], h_BD[:, None], ks[j], vs[j], length_B + uses[j],
                                               positions_BT=pos_B1, attn_impl=self.attn_impl)
             uses[j] += 1
-            tok_B, q_BV, logits_BV = self._choose(head, j, keys[s], out_B1D[:, 0])
+            tok_B, q_BV, logits_BV = self._choose(head, j, keys[s], out_B1D[:, 0], sampling)
             h_BD = head.feedback(j, out_B1D[:, 0])
             tokens.append(tok_B)
             qs.append(q_BV)

@@ -49,7 +49,7 @@ class NgramDrafter:
         hist_BH = hist_BH.at[:, :t].set(ctx.prompt)
         return hist_BH, ctx.prompt_len
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
         hist_BH, len_B = state
         b, h = hist_BH.shape
         k = self.settings.tree.num_nodes - 1

@@ -83,7 +83,7 @@ class ReplayDrafter:
     def init(self, params, ctx: PrefillContext):
         return reference_start(params, ctx)
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
         ref_BM = params["reference"]
         b, m = ref_BM.shape
         k = self.settings.tree.num_nodes - 1
@@ -162,7 +162,7 @@ class TreeReplayDrafter:
     def init(self, params, ctx: PrefillContext):
         return reference_start(params, ctx)
 
-    def propose(self, params, state, root_B, keys_B):
+    def propose(self, params, state, root_B, keys_B, sampling=None):
         spec = self.settings.tree
         ref_BM, alpha = params["reference"], params["alpha"]
         b, m = ref_BM.shape

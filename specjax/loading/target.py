@@ -53,25 +53,35 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     else:
         hf_config, cfg, host_params = load_hf(path, dtype=dtype)
         params = jax.tree.map(jnp.asarray, host_params)
-    cfg = with_generation_eos(cfg, path)
+    generation = read_generation_config(path / "generation_config.json")
+    cfg = with_generation_eos(cfg, generation, path / "generation_config.json")
     mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them
-    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout, mtp=mtp)
+    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout, mtp=mtp,
+                  generation_config=generation)
 
 
-def with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+def with_generation_eos(cfg: ModelConfig, generation: dict, file: Path) -> ModelConfig:
     """`cfg` with generation_config.json's EOS ids when it lists any (as transformers' generate uses them)."""
-    eos = generation_eos_ids(path / "generation_config.json")
+    eos = generation_eos_ids(generation, file)
     return cfg if eos is None else dataclasses.replace(cfg, eos_token_ids=eos)
 
 
-def generation_eos_ids(file: Path) -> tuple[int, ...] | None:
-    """The `eos_token_id` (an int or a list) of a generation_config.json; None without the file or the key."""
+def read_generation_config(file: Path) -> dict:
+    """A generation_config.json as a dict ({} without the file)."""
     if not file.is_file():
-        return None
+        return {}
     try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        generation = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{file}: not a JSON object ({err}); re-download it or delete it") from None
+    if not isinstance(generation, dict):
+        raise ValueError(f"{file}: not a JSON object; re-download it or delete it")
+    return generation
+
+
+def generation_eos_ids(generation: dict, file: Path) -> tuple[int, ...] | None:
+    """The `eos_token_id` (an int or a list) of a generation config; None without the key."""
+    eos = generation.get("eos_token_id")
     if eos is None:
         return None
     ids = eos if isinstance(eos, list) else [eos]

@@ -25,6 +25,7 @@ class Target:
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)  # loop key -> compiled executable
     layout: str = "auto"  # "auto" | "stacked" | "per_layer": see serving_layout
     mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
+    generation_config: dict = dataclasses.field(default_factory=dict)  # generation_config.json: sampling defaults
 
     def __post_init__(self):
         self.params = serving_layout(self.params, self.layout, mixed=self.cfg.mixed_layers)

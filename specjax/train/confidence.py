@@ -52,8 +52,8 @@ def _rounds(params, draft_params, prompt_BT, prompt_len_B, *, lc: LoopConfig, dr
         cache, root_B, dstate = carry
         draft, dstate = drafter.propose(draft_params, dstate, root_B, keys_B)
         mask_BNN = ancestor_mask(draft.parents)
-        verdict, features, cache = verify_pass(model, lc, draft, mask_BNN, depths(mask_BNN), cache,
-                                               drafter.feature_layers, keys_B)  # lc.sampling is greedy
+        verdict, features, cache, _ = verify_pass(model, lc, draft, mask_BNN, depths(mask_BNN), cache,
+                                               drafter.feature_layers, keys_B)  # lc is greedy, no penalties
         cache = cache.commit(verdict.path, verdict.num_accepted)
         dstate = drafter.update(draft_params, dstate, draft, verdict, features)
         return (cache, verdict.bonus, dstate), (draft.confidence[:, 1:], verdict.num_accepted - 1)
