@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 import specjax
 from specjax import chat
+from specjax.decoding.request import prompt_ids
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat"
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -256,6 +257,20 @@ def test_template_sources_follow_transformers(make_dir):
     assert_as_transformers(specjax.load(files), [USER], tools=TOOLS)
 
 
+def test_chat_prompts_in_prompt_ids_and_generate(llama31, qwen3):
+    messages = [SYSTEM, USER]
+    rendered = specjax.apply_chat_template(qwen3, messages, enable_thinking=False)
+    got = prompt_ids(qwen3, [messages, "plain text", [5, 6, 7]], chat_template_kwargs={"enable_thinking": False})
+    assert got == [rendered, qwen3.encode("plain text"), [5, 6, 7]]
+    assert prompt_ids(qwen3, [messages]) == [specjax.apply_chat_template(qwen3, messages)]
+    assert chat.render_prompt(qwen3, "text") == "text" and chat.render_prompt(qwen3, [1, 2]) == [1, 2]
+    assert chat.is_chat(messages) and not chat.is_chat("hi") and not chat.is_chat([1, 2]) and not chat.is_chat([])
+
+    out = specjax.generate(llama31, [messages], max_new_tokens=3)
+    same = specjax.generate(llama31, [specjax.apply_chat_template(llama31, messages)], max_new_tokens=3)
+    assert out.tokens == same.tokens and len(out.tokens[0]) >= 1
+
+
 def test_instruct_targets_stop_at_their_end_of_turn_ids(llama31, qwen3):
     """generation_config.json's eos_token_id list is what generation stops at (loading/target.py)."""
     ids = llama31.tokenizer.token_to_id
@@ -286,3 +301,8 @@ def test_refusals(llama31, qwen3, make_dir, tmp_path):
     broken = make_dir("broken", {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{% if %}"})
     with pytest.raises(ValueError, match="does not parse"):
         specjax.apply_chat_template(specjax.load(broken), [USER])
+
+    with pytest.raises(ValueError, match="chat_template_kwargs applies to conversations"):
+        prompt_ids(qwen3, ["text"], chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ValueError, match=r"one conversation as \[messages\]"):
+        prompt_ids(qwen3, [SYSTEM, USER])
