@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 import specjax
 from specjax import chat
+from specjax.cli import main
 from specjax.decoding.request import prompt_ids
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat"
@@ -276,6 +277,21 @@ def test_instruct_targets_stop_at_their_end_of_turn_ids(llama31, qwen3):
     ids = llama31.tokenizer.token_to_id
     assert llama31.cfg.eos_token_ids == (ids("<|end_of_text|>"), ids("<|eom_id|>"), ids("<|eot_id|>"))
     assert qwen3.cfg.eos_token_ids == (ids("<|im_end|>"), ids("<|endoftext|>"))
+
+
+def test_cli_generate_chat(llama31, capsys):
+    args = ["generate", str(llama31.path), "--chat", "--system", SYSTEM["content"], "--prompt", USER["content"],
+            "--max-new-tokens", "3", "--chat-template-kwargs", '{"date_string": "01 Jan 2025"}']
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    ids = specjax.apply_chat_template(llama31, [SYSTEM, USER], date_string="01 Jan 2025")
+    want = specjax.generate(llama31, [ids], max_new_tokens=3)
+    assert f"--- 0: {want.texts[0]}\n" in printed
+
+    assert main(["generate", str(llama31.path), "--system", "x", "--prompt", "Hi"]) == 2
+    assert "--system only apply to a chat: add --chat" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", str(llama31.path), "--chat", "--prompt", "Hi", "--chat-template-kwargs", "[1]"])
 
 
 def test_refusals(llama31, qwen3, make_dir, tmp_path):
