@@ -22,6 +22,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 import specjax
 from specjax import chat
 from specjax.cli import main
+from specjax.convert.export import export
 from specjax.decoding.request import prompt_ids
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat"
@@ -322,3 +323,23 @@ def test_refusals(llama31, qwen3, make_dir, tmp_path):
         prompt_ids(qwen3, ["text"], chat_template_kwargs={"enable_thinking": False})
     with pytest.raises(ValueError, match=r"one conversation as \[messages\]"):
         prompt_ids(qwen3, [SYSTEM, USER])
+
+
+def test_convert_and_export_carry_the_chat_template(llama31, qwen3, make_dir, tmp_path):
+    """specjax convert copies chat_template.jinja, additional_chat_templates/ and tokenizer_config.json's
+    chat_template; specjax export writes them back, and transformers renders the export as it rendered the source."""
+    source = make_dir("with_named", {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"},
+                      files={"chat_template.jinja": fixture("qwen3.jinja"),
+                             "additional_chat_templates/tool_use.jinja": "tools {{ tools | length }}"})
+    for src in (llama31.path, source):
+        ckpt = specjax.convert(src, tmp_path / f"{src.name}-ckpt")
+        hf = export(ckpt, tmp_path / f"{src.name}-hf")
+        for rel in ("tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"):
+            assert (ckpt / rel).is_file() == (src / rel).is_file() == (hf / rel).is_file(), rel
+            if (src / rel).is_file():
+                assert (hf / rel).read_bytes() == (src / rel).read_bytes()
+        messages = [SYSTEM, USER, ASSISTANT, USER2]
+        want = specjax.apply_chat_template(specjax.load(src), messages)
+        assert specjax.apply_chat_template(specjax.load(ckpt), messages) == want
+        assert transformers_ids(hf, messages)[0] == want
+    assert chat.chat_text(specjax.load(tmp_path / f"{source.name}-ckpt"), [USER], tools=TOOLS) == "tools 1"
