@@ -55,7 +55,10 @@ def render_prompt(target: Target, prompt: Any, chat_template_kwargs: dict | None
 
 def render_prompts(target: Target, prompts: Sequence, chat_template_kwargs: dict | None = None) -> list:
     """`render_prompt` of every prompt; chat_template_kwargs without any conversation among them is refused (it would
-    change nothing)."""
+    change nothing). What is not a list of prompts (a string, one bare conversation) comes back as it is, for
+    request.prompt_ids to say what to pass."""
+    if is_chat(prompts) or isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        return prompts
     if chat_template_kwargs is not None:
         if not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a dict of template variables, like "

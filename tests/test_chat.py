@@ -321,8 +321,10 @@ def test_refusals(llama31, qwen3, make_dir, tmp_path):
 
     with pytest.raises(ValueError, match="chat_template_kwargs applies to conversations"):
         prompt_ids(qwen3, ["text"], chat_template_kwargs={"enable_thinking": False})
+    for bare in ([SYSTEM, USER], "text"):  # not a list of prompts: render_prompts leaves it to prompt_ids to say so
+        assert chat.render_prompts(qwen3, bare, {"enable_thinking": False}) is bare
     with pytest.raises(ValueError, match=r"one conversation as \[messages\]"):
-        prompt_ids(qwen3, [SYSTEM, USER])
+        prompt_ids(qwen3, [SYSTEM, USER], chat_template_kwargs={"enable_thinking": False})
 
 
 def test_convert_and_export_carry_the_chat_template(llama31, qwen3, make_dir, tmp_path):
