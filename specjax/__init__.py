@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from specjax import compile_cache
+from specjax.chat import apply_chat_template
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.inspect import DraftInspection, inspect_draft
 from specjax.drafters import NgramDrafter, replay_drafter
@@ -22,5 +23,5 @@ except PackageNotFoundError:  # imported from a checkout that was never installe
     __version__ = "0+unknown"
 
 __all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "StreamChunk", "Target",
-           "__version__", "convert", "embedded", "generate", "inspect_draft", "load", "load_drafter", "replay_drafter",
-           "stream"]
+           "__version__", "apply_chat_template", "convert", "embedded", "generate", "inspect_draft", "load",
+           "load_drafter", "replay_drafter", "stream"]

@@ -29,6 +29,7 @@ def _export(args) -> int:
 def _generate(args) -> int:
     from specjax import NgramDrafter, generate, load
 
+    _check_chat_options(args)
     target = load(args.model, attn_impl=args.attn_impl)
     drafter = None
     if args.drafter == "ngram":
@@ -37,7 +38,8 @@ def _generate(args) -> int:
         from specjax.loading.drafter import load_drafter
 
         drafter = load_drafter(args.drafter, target)
-    out = generate(target, _cli_prompts(target, args.prompt), max_new_tokens=args.max_new_tokens,
+    prompts = _chat_prompts(target, args) if args.chat else _cli_prompts(target, args.prompt)
+    out = generate(target, prompts, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
                    num_draft_tokens=args.num_draft_tokens, tree=args.tree, eos_token_id=args.eos, max_len=args.max_len,
                    scheduler=args.scheduler)
@@ -56,6 +58,36 @@ def _cli_prompts(target, prompts: list[str]) -> list:
     except ValueError:
         raise ValueError(f"{target.path} has no tokenizer (no tokenizer.json), so --prompt must be space-separated "
                          f"token ids like '7 30 12', got {prompts[0]!r}") from None
+
+
+def _chat_prompts(target, args) -> list[list[int]]:
+    """--chat: each --prompt a user message (after the --system message, when given), rendered to ids by the
+    checkpoint's chat template with --chat-template-kwargs."""
+    from specjax.chat import render_prompts
+
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    chats = [system + [{"role": "user", "content": p}] for p in args.prompt]
+    return render_prompts(target, chats, args.chat_template_kwargs)
+
+
+def _check_chat_options(args) -> None:
+    """--system and --chat-template-kwargs shape a chat: without --chat they would be ignored, so they are refused."""
+    given = [flag for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs))
+             if value is not None]
+    if given and not args.chat:
+        raise ValueError(f"{' and '.join(given)} only apply to a chat: add --chat (each --prompt is then a user "
+                         "message rendered with the checkpoint's chat template)")
+
+
+def _json_object(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of template variables."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
+    return value
 
 
 def _draft_tokens(text: str) -> int | str:
@@ -129,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=["confidence", "prefix"], default=None,
                    help="verify only the prefix of each chain that pays off (drafters with confidences, e.g. DSpark)")
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, rendered with the checkpoint's chat template (Instruct models)")
+    p.add_argument("--system", default=None, help="with --chat: a system message before each user message")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None,
+                   help='with --chat: template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
     p.set_defaults(fn=_generate)
 
     p = sub.add_parser("demo", help="the embedded tiny target and draft model, plain vs speculative")

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from specjax.chat import render_prompts
 from specjax.config import PenaltyConfig, SamplingConfig
 from specjax.decoding.drafter import check_drafter_argument
 from specjax.decoding.plain import plain_generate, plain_run
@@ -213,13 +214,6 @@ def _settings(target: Target, temperature, top_k, top_p, options: dict) -> tuple
     penalties = PenaltyConfig(repetition, options.pop("presence_penalty", 0.0), options.pop("frequency_penalty", 0.0),
                               options.pop("min_tokens", 0))
     return SamplingConfig(**values).validate(), penalties.validate()
-
-
-def render_prompts(target: Target, prompts, chat_template_kwargs) -> Sequence:
-    """Prompts with every chat (a list of {"role", "content"} messages) rendered to token ids by its template."""
-    if chat_template_kwargs is not None:
-        raise NotImplementedError("chat prompts")
-    return prompts
 
 
 def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> None:

@@ -15,6 +15,7 @@ KERNELS = ROOT / "kernels"
 RANKS = {
     "config": 0, "compile_cache": 0, "kernels": 0,
     "models": 1,      # the Flax target and its KV cache
+    "chat": 1,        # chat templates: a conversation -> prompt ids (below decoding's request.py, above Target)
     "decoding": 2,    # the plain and speculative loops, drafts, verification, sampling, trees, statistics
     "drafters": 3,    # one module a family, behind decoding's Drafter protocol
     "convert": 4,     # checkpoint formats in and out (Hugging Face, EAGLE-3, DFlash, DSpark, MTP, orbax)

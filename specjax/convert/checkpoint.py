@@ -21,19 +21,36 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from specjax.chat import TEMPLATE_DIR, TEMPLATE_FILE
+
 FORMAT = "specjax-orbax"
 MARKER = "specjax.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
+                   TEMPLATE_FILE)
 
 
 def is_checkpoint(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+def tokenizer_files(directory: Path) -> dict[str, Path]:
+    """A model directory's tokenizer files, by path relative to it: TOKENIZER_FILES present and the named chat
+    templates (additional_chat_templates/*.jinja), so a conversion or an export renders chats as the source does."""
+    names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    names += [f"{TEMPLATE_DIR}/{p.name}" for p in sorted((directory / TEMPLATE_DIR).glob("*.jinja"))]
+    return {name: directory / name for name in names}
+
+
+def copy_files(files: dict[str, Path], dst: Path) -> None:
+    """Copy `files` (path relative to dst -> source) into dst, making their folders."""
+    for name, src in files.items():
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst / name)
+
+
 def save(dst: Path, params, hf_config: dict, *, dtype: str, extra_files: dict[str, Path] | None = None,
          meta: dict | None = None, overwrite: bool = False) -> Path:
-    """Write params and config to `dst` atomically; `extra_files` maps file name -> source path."""
+    """Write params and config to `dst` atomically; `extra_files` maps a path relative to dst -> source path."""
     dst = Path(dst).absolute()
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; choose a new destination or pass overwrite=True "
@@ -44,8 +61,7 @@ def save(dst: Path, params, hf_config: dict, *, dtype: str, extra_files: dict[st
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": 1, "dtype": dtype, **(meta or {})},
                                              indent=2))
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
+        copy_files(extra_files or {}, tmp)
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", jax.tree.map(jax.numpy.asarray, params))
         checkpointer.wait_until_finished()

@@ -93,8 +93,7 @@ def write_hf_dir(dst: str | Path, config: dict, tensors: dict[str, np.ndarray], 
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
+        checkpoint.copy_files(extra_files or {}, tmp)
         for name, content in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
         _publishable(tmp)
@@ -178,10 +177,6 @@ def _hf_config(hf_config: dict, dtype: str, stored_mtp: dict | None) -> dict:
     return config
 
 
-def _tokenizer_files(directory: Path) -> dict[str, Path]:
-    return {name: directory / name for name in checkpoint.TOKENIZER_FILES if (directory / name).is_file()}
-
-
 def side_configs(directory: Path, hf_config: dict) -> dict[str, dict]:
     """generation_config.json and tokenizer_config.json for a model directory that lacks them (the source's own are
     copied instead): without them transformers' AutoTokenizer loads bos/eos as None and generate stops nowhere.
@@ -214,8 +209,9 @@ def export_model(src: str | Path, dst: str | Path, *, dtype: str | None = None, 
     tensors = model_tensors(params, cfg, dtype)
     if stored is not None:
         tensors.update(mtp_tensors(stored, params, cfg, dtype))
-    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(src),
-                        extra_json=side_configs(src, hf_config), overwrite=overwrite)
+    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors,
+                        extra_files=checkpoint.tokenizer_files(src), extra_json=side_configs(src, hf_config),
+                        overwrite=overwrite)
 
 
 def _read_target(target: Path, dtype: str | None) -> tuple[dict, dict, str]:
@@ -254,8 +250,9 @@ def export_mtp_only(src: str | Path, target: str | Path, dst: str | Path, *, dty
     stored = read_mtp_only_dir(src, cfg)  # ValueError when it was made for a target of another shape
     tensors = model_tensors(params, cfg, dtype)
     tensors.update(mtp_tensors(stored, params, cfg, dtype))
-    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors, extra_files=_tokenizer_files(target),
-                        extra_json=side_configs(target, hf_config), overwrite=overwrite)
+    return write_hf_dir(dst, _hf_config(hf_config, dtype, stored), tensors,
+                        extra_files=checkpoint.tokenizer_files(target), extra_json=side_configs(target, hf_config),
+                        overwrite=overwrite)
 
 
 # ---- EAGLE-3 heads ----------------------------------------------------------------------------------------

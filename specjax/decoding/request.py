@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.chat import render_prompts
 from specjax.config import PenaltyConfig, SamplingConfig, per_row
 from specjax.decoding.decode import LoopConfig, RowSettings
 from specjax.decoding.penalties import RowPenalties
@@ -78,15 +79,19 @@ def round_cache_length(n: int) -> int:
     return -(-n // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
-def prompt_ids(target: Target, prompts: Sequence) -> list[list[int]]:
+def prompt_ids(target: Target, prompts: Sequence, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Each prompt's ids: a string encoded, a conversation (a list of {"role", "content"} messages) rendered by the
+    checkpoint's chat template with chat_template_kwargs (specjax/chat.py), token ids as they are."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists or a list of strings")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
     odd = [p for p in prompts if not isinstance(p, str) and (isinstance(p, bytes) or not isinstance(p, Sequence))]
     if odd:
-        raise ValueError(f"prompts must be a list of prompts, each a string or a list of token ids; got an element of "
-                         f"type {type(odd[0]).__name__}: wrap one prompt of token ids as [ids]")
+        raise ValueError(f"prompts must be a list of prompts, each a string, a list of token ids or a conversation; got "
+                         f"an element of type {type(odd[0]).__name__}: wrap one prompt of token ids as [ids], one "
+                         f"conversation as [messages]")
+    prompts = render_prompts(target, prompts, chat_template_kwargs)
     ids = [target.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for i, row in enumerate(ids):
         if not row:

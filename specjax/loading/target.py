@@ -103,6 +103,5 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
                          f"specjax.load; to change its dtype, load(path, dtype=...) or convert its Hugging Face source")
     _check_dtype(dtype)
     hf_config, cfg, host_params = load_hf(src, dtype=dtype)
-    extra = {name: src / name for name in checkpoint.TOKENIZER_FILES if (src / name).is_file()}
-    return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=extra,
+    return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=checkpoint.tokenizer_files(src),
                            meta={"source": str(src.absolute())}, overwrite=overwrite)
