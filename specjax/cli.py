@@ -27,7 +27,7 @@ def _export(args) -> int:
 
 
 def _generate(args) -> int:
-    from specjax import NgramDrafter, generate, load
+    from specjax import NgramDrafter, generate, load, stream
 
     _check_chat_options(args)
     target = load(args.model, attn_impl=args.attn_impl)
@@ -39,12 +39,25 @@ def _generate(args) -> int:
 
         drafter = load_drafter(args.drafter, target)
     prompts = _chat_prompts(target, args) if args.chat else _cli_prompts(target, args.prompt)
-    out = generate(target, prompts, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, drafter=drafter,
-                   num_draft_tokens=args.num_draft_tokens, tree=args.tree, eos_token_id=args.eos, max_len=args.max_len,
-                   scheduler=args.scheduler)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, seed=args.seed, drafter=drafter, num_draft_tokens=args.num_draft_tokens, tree=args.tree,
+              eos_token_id=args.eos, max_len=args.max_len, scheduler=args.scheduler, stop=args.stop or None,
+              stop_token_ids=args.stop_token_ids or None, repetition_penalty=args.repetition_penalty,
+              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+              min_tokens=args.min_tokens)
+    if args.stream:
+        for chunk in stream(target, prompts, **kw):
+            text = chunk.text if chunk.text is not None else " ".join(map(str, chunk.token_ids))
+            if len(prompts) == 1:
+                print(text, end="", flush=True)
+            else:
+                print(f"[{chunk.index}] {text!r}", flush=True)
+            if chunk.finish_reason is not None:
+                print(f"\n--- {chunk.index}: finished ({chunk.finish_reason})", flush=True)
+        return 0
+    out = generate(target, prompts, **kw)
     for i, toks in enumerate(out.tokens):
-        print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
+        print(f"--- {i} ({out.finish_reasons[i]}): {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
     print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1, default=str))
     return 0
 
@@ -145,10 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-len", type=int, default=None, help="a limit on prompt + output (sets the cache length)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the checkpoint's generation_config.json (greedy without do_sample)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeat for more); not in the output")
+    p.add_argument("--stop-token-ids", type=_eos_ids, default=None, help="stop token ids beyond EOS, comma-separated")
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--eos", type=_eos_ids, default=None,
                    help="EOS token ids, comma-separated, instead of the checkpoint's ('' never stops on EOS)")
     p.add_argument("--drafter", default=None,

@@ -76,16 +76,16 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
                     tree, eos_token_id, max_len, scheduler, scheduler_profile, options).generate()
 
 
-def stream(target: Target, prompts: Sequence, max_new_tokens: int = 128, **kwargs) -> Iterator[StreamChunk]:
+def stream(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature=None, top_k=None, top_p=None,
+           seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | None = None, tree=None,
+           eos_token_id: int | Sequence[int] | None = None, max_len: int | None = None, scheduler: str | None = None,
+           scheduler_profile=None, **options) -> Iterator[StreamChunk]:
     """`generate`, yielding each prompt's new tokens as the loop produces them (a StreamChunk per prompt with new
     output: .index, .token_ids, .text, and .finish_reason on its last chunk). The chunks of a prompt concatenate
     to what generate returns for it, with or without a drafter. The loop runs in chunks of steps that grow until
     each takes CHUNK_TARGET_S (stream.py), so the first tokens come at once and long runs pay little."""
-    names = ("temperature", "top_k", "top_p", "seed", "drafter", "num_draft_tokens", "tree", "eos_token_id",
-             "max_len", "scheduler", "scheduler_profile")
-    defaults = {"seed": 0}
-    fixed = [kwargs.pop(n, defaults.get(n)) for n in names]
-    yield from _resolve(target, prompts, max_new_tokens, *fixed, kwargs).stream()
+    yield from _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens,
+                        tree, eos_token_id, max_len, scheduler, scheduler_profile, options).stream()
 
 
 @dataclasses.dataclass
@@ -148,8 +148,7 @@ def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, d
     unknown = sorted(set(options) - {"stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"})
     if unknown:
         raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}")
-    opts = Options(penalties=penalties, stop=tuple([options["stop"]] if isinstance(options.get("stop"), str)
-                                                   else options.get("stop") or ()),
+    opts = Options(penalties=penalties, stop=options.get("stop") or (),
                    stop_token_ids=tuple(options.get("stop_token_ids") or ()),
                    include_stop_str_in_output=bool(options.get("include_stop_str_in_output", False)),
                    skip_special_tokens=bool(options.get("skip_special_tokens", True)),

@@ -95,6 +95,14 @@ def test_a_round_that_runs_past_a_stop_is_cut_and_counted_only_to_it(target, pla
     assert out.stats["acceptance_length"] == pytest.approx((len(kept_rounds) - 1) / len(set(kept_rounds) - {0}))
     assert out.stats["generated_tokens"] == last + 1
     assert out.stats["accepted_drafts"] <= last - (out.stats["row_rounds"][0] - 1)
+    # In a batch (padded to 4 rows) the other rows' figures are the loop's own.
+    batch = specjax.generate(target, PROMPTS[1:4], max_new_tokens=NEW, eos_token_id=[], drafter=d,
+                             num_draft_tokens=4, stop=[stop])
+    whole = specjax.generate(target, PROMPTS[1:4], max_new_tokens=NEW, eos_token_id=[], drafter=d, num_draft_tokens=4)
+    assert batch.tokens[1] == out.tokens[0] and batch.stats["row_rounds"][1] == out.stats["row_rounds"][0]
+    for i in (0, 2):
+        if batch.tokens[i] == whole.tokens[i]:
+            assert batch.stats["row_rounds"][i] == whole.stats["row_rounds"][i]
 
 
 def test_finish_reasons_for_eos_stop_tokens_and_the_budget(target, plain):
@@ -151,3 +159,15 @@ def test_stream_arguments_are_checked_like_generate(target):
         next(specjax.stream(target, PROMPTS, stop=[""]))
     with pytest.raises(ValueError, match="stop_token_ids"):
         specjax.generate(target, PROMPTS, stop_token_ids=[10**7])
+
+
+def test_cli_streams_and_stops(target, plain, capsys):
+    from specjax.cli import main
+
+    before = plain.texts[1][: plain.texts[1].index("Args")]
+    args = ["generate", str(target.path), "--prompt", PROMPTS[1], "--max-new-tokens", str(NEW), "--eos", "",
+            "--stop", "Args", "--drafter", str(specjax.embedded("draft"))]
+    assert main(args + ["--stream"]) == 0
+    assert capsys.readouterr().out == before + "\n--- 0: finished (stop)\n"
+    assert main(args) == 0
+    assert f"--- 0 (stop): {before}\n" in capsys.readouterr().out

@@ -20,10 +20,10 @@ from specjax.models.target import Target
 
 def plain_run(target: Target, req: Request, texts=None) -> tuple[Any, float, float, ChunkedRun | None]:
     """Run the plain loop for `req`: whole, or as a ChunkedRun to iterate (stop strings, streaming)."""
-    args = (target.params, *req.arrays())
-    max_new_B, rows = args[3], args[6]
-    return run_loop(target, req, ("ar", req.lc, req.prompt_BT.shape), ar_generate, ar_start, ar_advance, args,
-                    lambda state, until: (target.params, max_new_B, rows, state, until), {"lc": req.lc},
+    arrays = req.arrays()
+    return run_loop(target, req, ("ar", req.lc, req.prompt_BT.shape), ar_generate, ar_start, ar_advance,
+                    (target.params, *arrays),
+                    lambda state, until: (target.params, arrays.max_new_B, arrays.rows, state, until), {"lc": req.lc},
                     first_step=1, texts=texts)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import html
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +228,18 @@ class Options:
                                    stop_token_ids=tuple(int(t) for t in self.stop_token_ids))
 
 
+class LoopArrays(NamedTuple):
+    """The loops' array arguments after params, in their order: prompts, lengths, budgets, per-row seeds and folds,
+    and the per-row settings."""
+
+    prompt_BT: jax.Array
+    prompt_len_B: jax.Array
+    max_new_B: jax.Array
+    seeds_B: jax.Array
+    fold_B: jax.Array
+    rows: RowSettings
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One validated call, bucketed: padded prompt arrays, per-row seeds and settings, the static loop config."""
@@ -244,11 +256,10 @@ class Request:
     options: Options
     stop_ids: tuple[int, ...]  # EOS and stop_token_ids
 
-    def arrays(self) -> tuple:
-        """The jitted loops' array arguments after params: prompts, lengths, budgets, per-row seeds and folds, and
-        the per-row settings."""
-        return (*(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
-                                           self.fold_B)), jax.tree.map(jnp.asarray, self.rows))
+    def arrays(self) -> "LoopArrays":
+        """The jitted loops' array arguments after params, on the device."""
+        return LoopArrays(*(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
+                                                     self.fold_B)), jax.tree.map(jnp.asarray, self.rows))
 
     @property
     def chunked(self) -> bool:

@@ -282,16 +282,17 @@ class SpecRunner:
     drafter: Drafter  # configured
     spec: TreeSpec | DynamicTreeSpec
     key: tuple
-    args: tuple
+    arrays: Any  # request.LoopArrays
+    seconds_T: jax.Array | None  # the scheduler's cost curve, or None
     static: dict
     sched_info: dict
 
     def run(self, texts=None):
         """Whole, or a ChunkedRun to iterate (stop strings, streaming): see request.run_loop."""
-        params, draft_params, max_new_B, rows = self.args[0], self.args[1], self.args[4], self.args[7]
-        seconds_T = self.args[8] if len(self.args) > 8 else None
-        return run_loop(self.target, self.req, self.key, spec_generate, spec_start_jit, spec_advance_jit, self.args,
-                        lambda state, until: (params, draft_params, max_new_B, rows, seconds_T, state, until),
+        params, draft_params, a = self.target.params, self.drafter.params, self.arrays
+        args = (params, draft_params, *a) + (() if self.seconds_T is None else (self.seconds_T,))
+        return run_loop(self.target, self.req, self.key, spec_generate, spec_start_jit, spec_advance_jit, args,
+                        lambda state, until: (params, draft_params, a.max_new_B, a.rows, self.seconds_T, state, until),
                         self.static, first_step=0, texts=texts)
 
     def finish(self, outputs, compile_s: float, run_s: float, run=None) -> GenerateOutput:
@@ -311,7 +312,7 @@ def spec_runner(target: Target, req, drafter: Drafter, spec, scheduler: str | No
                 scheduler_cost: Callable | None) -> SpecRunner:
     """Configure the drafter for `req` and, with a scheduler, price its verify widths."""
     configured = drafter.configure(Settings(spec, req.lc.drafting, req.lc.cache_len, req.lc.out_len))
-    key, extra, static, sched_info = ("spec", req.lc, configured, req.prompt_BT.shape), (), {}, {}
+    key, seconds_T, static, sched_info = ("spec", req.lc, configured, req.prompt_BT.shape), None, {}, {}
     if scheduler is not None:
         sched = Scheduler(scheduler, verify_widths(spec.num_nodes))
         batch = req.prompt_BT.shape[0]
@@ -320,13 +321,12 @@ def spec_runner(target: Target, req, drafter: Drafter, spec, scheduler: str | No
         cost = scheduler_cost(batch, sched.widths, timing_context(req.ids, req.max_new_B.max()))
         # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
         overhead = cost.draft_s(batch, spec.num_nodes - 1)
-        extra, static, key = (jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead)),), \
-            {"sched": sched}, (*key, sched)
+        seconds_T = jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead))
+        static, key = {"sched": sched}, (*key, sched)
         sched_info = {"mode": scheduler, "widths": list(sched.widths), "cost": cost.source,
                       "round_overhead_s": overhead}
-    args = (target.params, configured.params, *req.arrays(), *extra)
-    return SpecRunner(target, req, configured, spec, key, args, {"lc": req.lc, "drafter": configured, **static},
-                      sched_info)
+    return SpecRunner(target, req, configured, spec, key, req.arrays(), seconds_T,
+                      {"lc": req.lc, "drafter": configured, **static}, sched_info)
 
 
 def check_drafter_fits(drafter: Drafter, target: Target) -> None:

@@ -95,7 +95,8 @@ def emitted_only(stats: SpecStats, round_BO: np.ndarray, depth_BO: np.ndarray, k
     offered and verified, iterations, sibling ranks) stays as it ran."""
     s = jax.tree.map(np.asarray, stats)
     batch, out_len = round_BO.shape
-    kept_BO = np.arange(out_len)[None, :] < np.asarray(kept_B)[:batch, None]
+    kept_B = np.pad(np.asarray(kept_B), (0, batch - len(kept_B)))  # padding rows emit nothing
+    kept_BO = np.arange(out_len)[None, :] < kept_B[:, None]
     round_BO = np.where(kept_BO, round_BO, 0)
     depth_BO = np.where(kept_BO, depth_BO, 0)
     rounds_B = np.asarray([len(np.unique(r[r > 0])) for r in round_BO], np.int32)
