@@ -32,6 +32,10 @@ __all__ = ["GenerateOutput", "StreamChunk", "bucket", "generate", "stream"]
 # transformers' defaults for a generation config that samples without saying how
 # (GenerationConfig._get_default_generation_params in transformers/generation/configuration_utils.py).
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
+# generate's and stream's keyword options and their defaults (None: from generation_config.json).
+OPTIONS = {"min_p": None, "stop": None, "stop_token_ids": None, "include_stop_str_in_output": False,
+           "skip_special_tokens": True, "logprobs": False, "top_logprobs": 0, "repetition_penalty": None,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "chat_template_kwargs": None}
 
 
 def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature=None, top_k=None, top_p=None,
@@ -139,22 +143,13 @@ def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, d
              eos_token_id, max_len, scheduler, scheduler_profile, options: dict) -> _Call:
     """Check every argument and decide the loop (planning "auto" here): the _Call to run."""
     _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens)
-    options = dict(options)
-    sampling, penalties = _settings(target, temperature, top_k, top_p, options)
-    chat_kwargs = options.pop("chat_template_kwargs", None)
-    logprobs, top = options.pop("logprobs", False), options.pop("top_logprobs", 0)
-    if not isinstance(top, (int, np.integer)) or isinstance(top, bool) or top < 0:
-        raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
-    unknown = sorted(set(options) - {"stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"})
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}")
-    opts = Options(penalties=penalties, stop=options.get("stop") or (),
-                   stop_token_ids=tuple(options.get("stop_token_ids") or ()),
-                   include_stop_str_in_output=bool(options.get("include_stop_str_in_output", False)),
-                   skip_special_tokens=bool(options.get("skip_special_tokens", True)),
-                   logprobs=int(top) if (logprobs or top) else -1)
-    prompts = render_prompts(target, prompts, chat_kwargs)
-    call = _Call(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, opts)
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}; its options are {list(OPTIONS)}")
+    options = {**OPTIONS, **options}
+    sampling = _sampling(target, temperature, top_k, top_p, options["min_p"])
+    prompts = render_prompts(target, prompts, options["chat_template_kwargs"])
+    call = _Call(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, _options(target, options))
     if scheduler is None and scheduler_profile is not None:
         raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
                          "too, or drop scheduler_profile=")
@@ -193,26 +188,33 @@ def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, d
     return call
 
 
-def _settings(target: Target, temperature, top_k, top_p, options: dict) -> tuple[SamplingConfig, PenaltyConfig]:
-    """The call's sampling and penalties: what it gives, else the checkpoint's generation_config.json, transformers'
-    way: its sampling values only when it says do_sample (with transformers' defaults for those it omits), its
-    repetition_penalty always."""
+def _sampling(target: Target, temperature, top_k, top_p, min_p) -> SamplingConfig:
+    """The call's sampling: what it gives, else the checkpoint's generation_config.json transformers' way (its values
+    only when it says do_sample, with transformers' defaults for those it omits; otherwise greedy)."""
     gen = target.generation_config
     sampled = bool(gen.get("do_sample", False))
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": options.pop("min_p", None)}
     off = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-    values = {}
-    for name, value in given.items():
-        if value is None:
-            value = (gen.get(name) if gen.get(name) is not None else HF_SAMPLING_DEFAULTS[name]) if sampled \
-                else off[name]
-        values[name] = value
-    repetition = options.pop("repetition_penalty", None)
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    values = {name: value if value is not None else
+              (gen.get(name) if gen.get(name) is not None else HF_SAMPLING_DEFAULTS[name]) if sampled else off[name]
+              for name, value in given.items()}
+    return SamplingConfig(**values).validate()
+
+
+def _options(target: Target, o: dict) -> Options:
+    """Penalties (repetition_penalty unset: generation_config.json's, as transformers applies it), stops, logprobs
+    and text options of a call."""
+    top = o["top_logprobs"]
+    if not isinstance(top, (int, np.integer)) or isinstance(top, bool) or top < 0:
+        raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
+    repetition = o["repetition_penalty"]
     if repetition is None:
-        repetition = gen.get("repetition_penalty") or 1.0
-    penalties = PenaltyConfig(repetition, options.pop("presence_penalty", 0.0), options.pop("frequency_penalty", 0.0),
-                              options.pop("min_tokens", 0))
-    return SamplingConfig(**values).validate(), penalties.validate()
+        repetition = target.generation_config.get("repetition_penalty") or 1.0
+    penalties = PenaltyConfig(repetition, o["presence_penalty"], o["frequency_penalty"], o["min_tokens"])
+    return Options(penalties=penalties, stop=o["stop"] or (), stop_token_ids=tuple(o["stop_token_ids"] or ()),
+                   include_stop_str_in_output=bool(o["include_stop_str_in_output"]),
+                   skip_special_tokens=bool(o["skip_special_tokens"]),
+                   logprobs=int(top) if (o["logprobs"] or top) else -1)
 
 
 def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> None:

@@ -201,7 +201,7 @@ def test_prompt_longer_than_the_context(target):
 
 @pytest.mark.parametrize("temperature", [-0.5, -1e-9])
 def test_bad_temperature(target, temperature):
-    with pytest.raises(ValueError, match=r"temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0"):
         specjax.generate(target, [[3, 4]], max_new_tokens=4, temperature=temperature)
 
 
@@ -212,7 +212,7 @@ def test_bad_top_p(target, top_p):
 
 
 def test_bad_top_k(target):
-    with pytest.raises(ValueError, match=r"top_k must be >= 0"):
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 0"):
         specjax.generate(target, [[3, 4]], max_new_tokens=4, temperature=1.0, top_k=-2)
 
 
