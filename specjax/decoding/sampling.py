@@ -70,9 +70,13 @@ def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampli
     filtered = jnp.any(~greedy_R & ((k_R > 0) & (k_R < vocab) | (p_R < 1.0) | (min_p_R > 0.0)))
     z_RV = lax.cond(filtered, lambda: _filter(z_RV, k_R, p_R, min_p_R), lambda: z_RV)
     logp_RV = jax.nn.log_softmax(z_RV, axis=-1)
-    argmax_R = jnp.argmax(raw_RV, axis=-1)
-    one_hot_RV = jnp.where(jnp.arange(vocab) == argmax_R[:, None], 0.0, -jnp.inf)
-    return jnp.where(greedy_R[:, None], one_hot_RV, logp_RV).reshape(logits_XV.shape)
+
+    def greedy_rows_one_hot():
+        one_hot_RV = jnp.where(jnp.arange(vocab) == jnp.argmax(raw_RV, axis=-1)[:, None], 0.0, -jnp.inf)
+        return jnp.where(greedy_R[:, None], one_hot_RV, logp_RV)
+
+    logp_RV = lax.cond(jnp.any(greedy_R), greedy_rows_one_hot, lambda: logp_RV)
+    return logp_RV.reshape(logits_XV.shape)
 
 
 def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array) -> jax.Array:
@@ -80,8 +84,9 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
     rows, vocab = z_RV.shape
     m = min(vocab, TOP_P_CANDIDATES)
     vals_RM, idx_RM = lax.top_k(z_RV, m)  # descending; ties in ascending id
-    # min-p: p >= min_p * max p, i.e. z >= max z + log(min_p).
-    min_p_cut_R = jnp.where(min_p_R > 0, vals_RM[:, 0] + jnp.log(jnp.maximum(min_p_R, 1e-30)), -jnp.inf)
+    # min-p: p >= min_p * max p, i.e. z >= max z + log(min_p). The max as a reduction: any slice of top_k's values
+    # other than the whole keeps XLA:CPU from lowering top_k to its TopK call (it sorts the vocabulary instead).
+    min_p_cut_R = jnp.where(min_p_R > 0, jnp.max(z_RV, axis=-1) + jnp.log(jnp.maximum(min_p_R, 1e-30)), -jnp.inf)
     top_k_on_R = (k_R > 0) & (k_R < vocab)
     # The k-th largest read from the candidates with a gather (XLA:CPU turns a slice of lax.top_k's values into
     # a full sort of the vocabulary); past the candidates, by bisection.
@@ -93,9 +98,14 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
     z_RV = jnp.where(z_RV < cut_R[:, None], -jnp.inf, z_RV)
     vals_RM = jnp.where(vals_RM < cut_R[:, None], -jnp.inf, vals_RM)
     top_p_on_R = p_R < 1.0
-    keep_RV, exact_R = _top_p_among_candidates(z_RV, vals_RM, idx_RM, p_R)
-    keep_RV = lax.cond(jnp.all(exact_R | ~top_p_on_R), lambda: keep_RV, lambda: _top_p_by_bisection(z_RV, p_R))
-    return jnp.where(keep_RV | ~top_p_on_R[:, None], z_RV, -jnp.inf)
+
+    def top_p():
+        keep_RV, exact_R = _top_p_among_candidates(z_RV, vals_RM, idx_RM, p_R)
+        keep_RV = lax.cond(jnp.all(exact_R | ~top_p_on_R), lambda: keep_RV,
+                           lambda: _top_p_by_bisection(z_RV, p_R))
+        return jnp.where(keep_RV | ~top_p_on_R[:, None], z_RV, -jnp.inf)
+
+    return lax.cond(jnp.any(top_p_on_R), top_p, lambda: z_RV)
 
 
 def _float_order_key(x_RV: jax.Array) -> jax.Array:
