@@ -38,11 +38,12 @@ here; CI never runs this script, the tests read only what it writes). What was r
                      here with exactly its key set and config: `LLAMA_EAGLE_SINGLE_LAYER`'s keys (layers.{i}.*, fc,
                      norm; d2t and lm_head optional, left out: full vocabulary, the target's lm_head; no t2d, no
                      embedding) and `llama_eagle_template_config`'s fields (eagle_config with ModelOpt's flags, ids
-                     in ModelOpt's "output of layer" numbering, rope as the exporter writes it with
-                     eagle_export_rope_scaling disabled), in bf16. Its served semantics are vLLM's llama_eagle3.py
+                     in ModelOpt's "output of layer" numbering, rope_theta 10000 and the YaRN rope_scaling its
+                     exporter writes by default, speculative/config.py `eagle_export_rope_scaling`), in bf16. Its served semantics are vLLM's llama_eagle3.py
                      (layer 0 over the 2H concat, layers 1.. plain Llama layers, norm_before_residual off); the
                      numbers come from speculators' Eagle3DraftModel with the same weights, which runs those
-                     semantics (llama layer config, norm_before_residual false, lm_head = the target's).
+                     semantics (llama layer config with the same YaRN, norm_before_residual false, lm_head = the
+                     target's).
                      Two layers.
   deepspec           deepseek-ai/DeepSpec `Qwen3Eagle3Model` (deepspec/modeling/eagle3/qwen3/modeling.py) with the
                      config of its own `build_draft_config` on a tiny transformers Qwen3 target (7 layers,
@@ -337,6 +338,10 @@ MODELOPT_KEYS = {"layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "laye
                  "layers.0.post_attention_layernorm", "norm", "fc"}  # hf_spec_export.py LLAMA_EAGLE_SINGLE_LAYER
 
 
+MODELOPT_EXPORT_ROPE = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048}  # config.py
+#   EagleConfig.eagle_export_rope_scaling's default, which _export_config writes for a head trained at default RoPE
+
+
 def modelopt_config(num_layers: int, ids: list[int]) -> dict:
     """llama_eagle_template_config (hf_spec_configs.py) as EagleExporter._export_config fills it."""
     return {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
@@ -346,7 +351,7 @@ def modelopt_config(num_layers: int, ids: list[int]) -> dict:
             "rms_norm_eps": HEAD["rms_norm_eps"], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "transformers_version": importlib.metadata.version("transformers"), "use_cache": True,
             "vocab_size": HEAD["vocab_size"], "draft_vocab_size": HEAD["vocab_size"],
-            "rope_scaling": {"rope_type": "default", "rope_theta": 10000}, "attention_bias": False,
+            "rope_scaling": dict(MODELOPT_EXPORT_ROPE), "attention_bias": False,
             "attention_dropout": 0.0, "head_dim": 8, "mlp_bias": False, "pretraining_tp": 1, "rope_theta": 10000,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True,
                              "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
@@ -371,8 +376,8 @@ def case_modelopt(torch, repos, out_dir: Path, seed: int = 3) -> None:
     from safetensors.torch import save_file
 
     sp = import_speculators(repos["speculators"])
-    spec = dict(layer=dict(model_type="llama", num_hidden_layers=2, head_dim=8, rope_theta=10000.0,
-                           max_position_embeddings=2048, tie_word_embeddings=False),
+    spec = dict(layer=dict(model_type="llama", num_hidden_layers=2, head_dim=8, max_position_embeddings=2048,
+                           rope_parameters={**MODELOPT_EXPORT_ROPE, "rope_theta": 10000.0}, tie_word_embeddings=False),
                 draft_vocab=HEAD["vocab_size"], norm_before_residual=False, ids=[2, 3, 4], dtype="bfloat16",
                 seed=seed)
     model = speculators_model(torch, sp, spec)  # hidden_states 2, 3, 4 = ModelOpt ids 1, 2, 3
@@ -522,7 +527,9 @@ def producer_steps(torch, repos: dict, layout: str, head_dir: Path, target, feat
             raw = json.loads((head_dir / "config.json").read_text())
             layer = {k: raw[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                          "intermediate_size", "rms_norm_eps", "vocab_size", "num_hidden_layers",
-                                         "rope_theta", "max_position_embeddings")}
+                                         "max_position_embeddings")}
+            layer["rope_parameters"] = {**(raw.get("rope_scaling") or {"rope_type": "default"}),
+                                        "rope_theta": raw.get("rope_theta", 10000.0)}
             ids_hs = [i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
             model = speculators_model(torch, sp, dict(layer=dict(layer, model_type="llama"), seed=0,
                                                       draft_vocab=raw["draft_vocab_size"], dtype="float32",

@@ -112,7 +112,8 @@ def test_config_is_read_by_the_producers_rules(case):
     assert cfg.feature_layers == want["feature_layers"] and cfg.head_dim == want["head_dim"]
     assert (cfg.num_layers, cfg.qk_norm, cfg.norm_before_residual) == \
         (want["num_layers"], want["qk_norm"], want["norm_before_residual"])
-    assert cfg.lm_head == want["lm_head"] and cfg.rope.theta == want["theta"] and cfg.rope.rope_type == "default"
+    assert cfg.lm_head == want["lm_head"] and cfg.rope.theta == want["theta"]
+    assert cfg.rope.rope_type == ("yarn" if case == "modelopt" else "default")
     assert cfg.dtype == want["stored"] and cfg.draft_vocab_size == want["draft_vocab"]
     assert cfg.num_taps * cfg.target_hidden_size == io_of(case)["features_BTF"].shape[-1]
 
@@ -312,7 +313,42 @@ def test_a_head_the_layout_cannot_hold_is_refused(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-# ---- the RoPE override -------------------------------------------------------------------------------------------
+# ---- RoPE: YaRN (ModelOpt's default export) and the override ------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048},  # ModelOpt's exporter default
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "truncate": False,
+     "attention_factor": 1.1},
+])
+def test_yarn_frequencies_and_scale_are_transformers(params):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specjax.convert.eagle3_layouts import transformers_rope
+    from specjax.models.layers import rope_inv_freq
+
+    hf = dict(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=131072, rope_theta=50000.0)
+    config = transformers.LlamaConfig(**hf, rope_parameters={**params, "rope_theta": 50000.0})
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    rope = transformers_rope({**hf, "rope_scaling": params})
+    np.testing.assert_allclose(rope_inv_freq(rope, 16), want_inv.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(want_scale)
+
+
+def test_the_modelopt_fixture_depends_on_its_yarn():
+    """Read without its YaRN (the base alone), the ModelOpt head's logits move: the parity above checks the scaling."""
+    cfg, params = fixture_params("modelopt")
+    assert cfg.rope.factor == 32.0 and cfg.rope.attention_factor == pytest.approx(0.1 * np.log(32.0) + 1)
+    import dataclasses
+
+    plain_cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, rope_type="default", attention_factor=1.0))
+    io = io_of("modelopt")
+    moved = row_chains(eagle3.head_of(plain_cfg, params), plain_cfg, io)["step1_logits"]
+    assert np.abs(np.asarray(moved) - io["step1_logits"]).max() > 1e-2
+
 
 
 def test_rope_theta_override_changes_the_base_and_the_drafts(target, tmp_path):

@@ -28,7 +28,9 @@ RoPE. Absent everything, base 10000: what SafeAILab (cnets.py) and SpecForge (`g
 train and SGLang and vLLM serve. SafeAILab's linear scaling is built on base 10000 whatever rope_theta says
 (cnets.py `LlamaLinearScalingRotaryEmbedding(..., base default)`); every other layout reads theta and scaling as
 transformers does (`rope_parameters`, else `rope_theta` / `rope_scaling`). Implemented: default, linear, llama3
-(the same formula in SpecForge's `LlamaRotaryEmbedding` and transformers).
+(the same formula in SpecForge's `LlamaRotaryEmbedding` and transformers) and YaRN (ModelOpt's exporter writes
+{"rope_type": "yarn", "factor": 32, "original_max_position_embeddings": 2048} unless told not to; transformers'
+`_compute_yarn_parameters` and vLLM's YaRNScalingRotaryEmbedding agree on it).
 
 Not implemented, refused by name: EAGLE-3.1's `fc_norm`, `norm_before_fc` and `norm_output` (vLLM's
 llama_eagle3.py reads them; SpecForge's default and meaning of `norm_output` changed across its versions),
@@ -37,6 +39,7 @@ attention or MLP biases, and speculators / ModelOpt decoder types other than lla
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from specjax.config import ModelConfig, RopeConfig, _rope_from_hf
@@ -132,11 +135,38 @@ def safeailab_rope(hf: dict[str, Any]) -> RopeConfig:
 
 def transformers_rope(hf: dict[str, Any]) -> RopeConfig:
     """RoPE as transformers reads a Llama / Qwen3 config (rope_parameters, else rope_theta / rope_scaling; base 10000
-    when absent): SpecForge's `get_rope_config`, speculators' and DeepSpec's rotary classes, vLLM's `get_rope`."""
+    when absent): SpecForge's `get_rope_config`, speculators' and DeepSpec's rotary classes, vLLM's `get_rope`.
+    YaRN too (what ModelOpt's exporter writes by default, `eagle_export_rope_scaling`)."""
+    params = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    if params.get("rope_type", params.get("type")) == "yarn":
+        return yarn_rope(hf, params)
     try:
         return _rope_from_hf(hf)
     except ValueError as err:
-        raise ValueError(f"the EAGLE-3 head's {err}") from None
+        raise ValueError(f"the EAGLE-3 head's {err} (and 'yarn')") from None
+
+
+def yarn_rope(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
+    """YaRN's fields as transformers' `_compute_yarn_parameters` reads them (and vLLM's get_rope): factor (else
+    max_position_embeddings / original), beta_fast 32, beta_slow 1, attention_factor (else from factor, mscale and
+    mscale_all_dim: 0.1 ln(factor) + 1), truncate."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("the EAGLE-3 head's config.json has 'yarn' RoPE scaling without "
+                         "original_max_position_embeddings")
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+    return RopeConfig(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type="yarn",
+                      factor=float(factor), original_max_position_embeddings=int(original),
+                      beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                      attention_factor=float(attention), truncate=bool(params.get("truncate", True)))
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str = "config.json") -> None:
@@ -329,6 +359,11 @@ def _rope_keys(rope: RopeConfig, layout: str) -> dict[str, Any]:
             "rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
             "high_freq_factor": rope.high_freq_factor,
             "original_max_position_embeddings": rope.original_max_position_embeddings}}
+    if rope.rope_type == "yarn" and layout != "safeailab":
+        return {"rope_theta": rope.theta, "rope_scaling": {
+            "rope_type": "yarn", "factor": rope.factor, "original_max_position_embeddings":
+                rope.original_max_position_embeddings, "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow,
+            "attention_factor": rope.attention_factor, "truncate": rope.truncate}}
     raise ValueError(f"an EAGLE-3 head in the {layout} layout cannot carry {rope.rope_type!r} RoPE scaling")
 
 
