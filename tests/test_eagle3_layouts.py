@@ -425,6 +425,8 @@ def test_deepspec_tap_rules(tmp_path):
     ("speculators_qwen3", lambda c: c["transformer_layer_config"].update(attention_bias=True),
      r"attention_bias=true"),
     ("modelopt", lambda c: c["eagle_config"].update(use_aux_hidden_state=False), r"use_aux_hidden_state is False"),
+    ("modelopt", lambda c: c.update(model_type="kimi_k2", architectures=["Eagle3DeepseekV2ForCausalLM"]),
+     r"'kimi_k2' head .*MLA attention"),
     ("modelopt", lambda c: c.update(draft_vocab_size=64), r"lacks tensor 'd2t'|no lm_head.weight of its own"),
     ("deepspec", lambda c: c.update(hidden_act="gelu"), r"hidden_act is 'gelu'"),
 ])

@@ -11,18 +11,19 @@ producer's own code applies; the file is named beside each.
 | modelopt | `eagle_config` with ModelOpt's flags | `layers.{i}.*` | `eagle_config` ids + 1 | top-level fields |
 | deepspec | architectures Qwen3Eagle3Model | `layers.0.*` | `target_layer_ids` + 1 | the (target's) Qwen3 config |
 
-Taps. SGLang (python/sglang/srt/models/llama_eagle3.py, via `eagle_config.eagle_aux_hidden_state_layer_ids`)
-and ModelOpt (modelopt/torch/speculative/plugins/hf_eagle.py: a forward hook on `layers[i]` collects its
-output) count "output of layer i" = hidden_states[i + 1]. vLLM's target models (model_executor/models/llama.py
+Taps. SGLang (python/sglang/srt/models/llama.py `set_eagle3_layers_to_capture`: the
+`eagle_config.eagle_aux_hidden_state_layer_ids` it is given, + 1; its default 2, L//2, L-3 as is) and ModelOpt
+(modelopt/torch/speculative/plugins/hf_eagle.py: a forward hook on `layers[i]` collects its output) count
+"output of layer i" = hidden_states[i + 1]. vLLM's target models (model_executor/models/llama.py
 `_maybe_add_hidden_state(aux, idx + 1, ...)` after layer idx) count a top-level
 `eagle_aux_hidden_state_layer_ids` entry k as the stream after k layers = hidden_states[k]: the numbering of
 speculators' configs, whose training data vLLM extracts. DeepSpec (deepspec/modeling/eagle3/common.py
 `extract_eagle3_context_feature`) concatenates hidden_states[id + 1] for its `target_layer_ids`. Without ids:
 (2, L//2, L-3), the default of SafeAILab, vLLM (`get_eagle3_default_aux_hidden_state_layers`), speculators
 (models/utils.py `resolve_target_layer_ids`) and ModelOpt (`default_eagle_aux_layer_ids` {1, L//2-1, L-4} + 1).
-Note vLLM reads an `eagle_config` id list by its own numbering (v1/worker/gpu_model_runner.py
-`_get_eagle3_aux_layers_from_config`): one less than what SGLang and ModelOpt mean by the same list; specjax
-follows the producers.
+Note vLLM 0.33 reads an `eagle_config` id list in its own numbering (v1/worker/gpu_model_runner.py
+`_get_eagle3_aux_layers_from_config`, no conversion): one less than what SGLang and ModelOpt mean by the same
+list; specjax follows the producers.
 
 RoPE. Absent everything, base 10000: what SafeAILab (cnets.py) and SpecForge (`get_rope_config`'s default)
 train and SGLang and vLLM serve. SafeAILab's linear scaling is built on base 10000 whatever rope_theta says
@@ -34,7 +35,8 @@ transformers does (`rope_parameters`, else `rope_theta` / `rope_scaling`). Imple
 
 Not implemented, refused by name: EAGLE-3.1's `fc_norm`, `norm_before_fc` and `norm_output` (vLLM's
 llama_eagle3.py reads them; SpecForge's default and meaning of `norm_output` changed across its versions),
-attention or MLP biases, and speculators / ModelOpt decoder types other than llama and qwen3.
+attention or MLP biases, speculators decoder types other than llama and qwen3, and ModelOpt's Kimi-K2 (MLA)
+heads.
 """
 
 from __future__ import annotations
@@ -278,6 +280,9 @@ def _modelopt(hf: dict[str, Any], target: ModelConfig) -> dict[str, Any]:
     hf_spec_configs.py `llama_eagle_template_config`), served by vLLM's llama_eagle3.py: layer 0 over the 2H
     concat, layers 1.. plain Llama layers; norm_before_residual off (vLLM's getattr default)."""
     eagle = hf.get("eagle_config") or {}
+    if hf.get("model_type", "llama") != "llama" or "Eagle3DeepseekV2ForCausalLM" in (hf.get("architectures") or []):
+        raise ValueError(f"the ModelOpt head's config.json is a {hf.get('model_type')!r} head "
+                         "(Eagle3DeepseekV2ForCausalLM: MLA attention); specjax implements ModelOpt's llama heads")
     for flag, want in (("use_aux_hidden_state", True), ("use_input_layernorm_in_first_layer", True),
                        ("use_last_layernorm", True), ("use_mtp_layernorm", False)):
         if flag in eagle and eagle[flag] is not None and bool(eagle[flag]) != want:
