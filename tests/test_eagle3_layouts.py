@@ -364,6 +364,16 @@ def test_rope_theta_override_changes_the_base_and_the_drafts(target, tmp_path):
         specjax.load_drafter(draft_dir, target, rope_theta=1e4)
 
 
+def test_rope_theta_override_reaches_block_drafters_and_is_refused_for_mtp():
+    target = specjax.load(specjax.embedded("target"))
+    dflash = specjax.load_drafter(specjax.embedded("dflash"), target, rope_theta=123456.0)
+    assert dflash.cfg.layers.rope.theta == 123456.0
+    dspark = specjax.load_drafter(specjax.embedded("dspark"), target, rope_theta=123456.0)
+    assert dspark.cfg.block.layers.rope.theta == 123456.0
+    with pytest.raises(ValueError, match=r"is a mtp drafter \(MTP layers run with the target's RoPE\)"):
+        specjax.load_drafter(specjax.embedded("mtp"), target, rope_theta=1e4)
+
+
 # ---- refusals: what does not fit the target, what is not implemented ----------------------------------------------
 
 
