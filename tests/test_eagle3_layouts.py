@@ -173,6 +173,14 @@ def test_sharded_bf16_fp16_and_pytorch_bin_read_the_same_weights(tmp_path):
                head / "pytorch_model.bin")
     (_, a), (_, b) = load_eagle3(src, target_config()), load_eagle3(head, target_config())
     jax.tree.map(np.testing.assert_array_equal, a, b)
+    state = torch.load(head / "pytorch_model.bin", weights_only=True)  # two shards with an index
+    names = sorted(state)
+    (head / "pytorch_model.bin").unlink()
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        torch.save({k: state[k] for k in part}, head / f"pytorch_model-0000{i + 1}-of-00002.bin")
+    weight_map = {k: f"pytorch_model-0000{1 + (k not in names[: len(names) // 2])}-of-00002.bin" for k in names}
+    (head / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    jax.tree.map(np.testing.assert_array_equal, a, load_eagle3(head, target_config())[1])
 
 
 # ---- speculative decoding on a tiny target ---------------------------------------------------------------------

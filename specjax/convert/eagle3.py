@@ -1,7 +1,8 @@
 """Read an EAGLE-3 head checkpoint, in any producer's layout, and check it fits a target.
 
 A head directory holds config.json and its weights: model.safetensors, sharded safetensors with
-model.safetensors.index.json, or pytorch_model.bin (read only when torch is installed); fp32, bf16 or fp16.
+model.safetensors.index.json, or pytorch_model.bin (or shards with pytorch_model.bin.index.json; read only when
+torch is installed); fp32, bf16 or fp16.
 The config decides the layout (convert/eagle3_layouts.py: SafeAILab, SpecForge, speculators, ModelOpt,
 DeepSpec) and with it every rule below. Tensors, torch [out, in]:
 
@@ -34,7 +35,7 @@ import numpy as np
 from specjax.config import _DTYPE_NAMES, ModelConfig
 from specjax.convert import eagle3_layouts as layouts
 from specjax.convert.eagle3_layouts import default_feature_layers  # noqa: F401 (re-exported)
-from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files
+from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_json, read_tensors, safetensors_files
 from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 
 # specjax first-layer key -> name inside the layer prefix (all [out, in] matrices transposed)
@@ -103,17 +104,35 @@ def read_head_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     model_dir = Path(model_dir)
     if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file():
         return read_tensors(safetensors_files(model_dir))
-    binary = model_dir / "pytorch_model.bin"
-    if binary.is_file():
+    binaries = _pickle_files(model_dir)
+    if binaries:
         try:
             import torch  # noqa: PLC0415 (optional: only this format needs it)
         except ImportError:
-            raise ValueError(f"{binary} is a PyTorch pickle and torch is not installed: install torch "
+            raise ValueError(f"{binaries[0]} is a PyTorch pickle and torch is not installed: install torch "
                              "(pip install torch) or convert the head to model.safetensors") from None
-        state = torch.load(str(binary), map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+        tensors = {}
+        for binary in binaries:
+            state = torch.load(str(binary), map_location="cpu", weights_only=True)
+            tensors.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()})
+        return tensors
     raise FileNotFoundError(f"no EAGLE-3 head weights in {model_dir}: expected model.safetensors, "
-                            "model.safetensors.index.json with its shards, or pytorch_model.bin")
+                            "model.safetensors.index.json with its shards, or pytorch_model.bin (or its index)")
+
+
+def _pickle_files(model_dir: Path) -> list[Path]:
+    """pytorch_model.bin, or the shards pytorch_model.bin.index.json names (what SafeAILab's DeepSpeed save and
+    older transformers write)."""
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing or not files:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing or 'none listed'}")
+        return files
+    single = model_dir / "pytorch_model.bin"
+    return [single] if single.is_file() else []
 
 
 def _check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray | None, cfg: Eagle3Config) -> None:
