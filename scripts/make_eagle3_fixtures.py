@@ -62,7 +62,7 @@ CASES = {
                          tree=dict(top_k=3, depth=4, total_tokens=10)),
 }
 
-CONFIG_COMMON = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+CONFIG_COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
                      hidden_act="silu", pad_token_id=0, bos_token_id=1, eos_token_id=2,
                      tie_word_embeddings=False, torch_dtype="float32")
 

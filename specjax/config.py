@@ -45,7 +45,11 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: base and optional scaling (`linear` or Llama 3's `llama3`)."""
+    """Rotary embedding: base and optional scaling (`linear`, Llama 3's `llama3`, or `yarn`).
+
+    YaRN (read for EAGLE-3 heads only: ModelOpt exports carry it) blends interpolated and extrapolated
+    frequencies between the dims that rotate beta_fast and beta_slow times over the original context, and
+    scales q and k by attention_factor (cos/sin times it, as transformers and vLLM apply it)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -53,6 +57,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,7 +140,12 @@ def test_refuses_to_clobber_and_bad_sources(tmp_path, capsys):
     assert cli_main(["export", str(EMBEDDED / "draft"), str(dst)]) == 2
     with pytest.raises(ValueError, match="neither"):
         ex.export(tmp_path, tmp_path / "x")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(ValueError, match="already a Hugging Face"):
+        ex.export(hf_dir, tmp_path / "x")
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: pass the target it drafts for with --target"):
         ex.export(FIXTURES / "rope_theta", tmp_path / "x")
     with pytest.raises(FileNotFoundError):
         ex.export(tmp_path / "missing", tmp_path / "x")

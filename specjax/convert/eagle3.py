@@ -1,154 +1,138 @@
-"""Read an EAGLE-3 head checkpoint (SafeAILab / SpecForge layout) and check it fits a target.
+"""Read an EAGLE-3 head checkpoint, in any producer's layout, and check it fits a target.
 
-A head directory holds config.json and model.safetensors (or pytorch_model.bin, read only
-when torch is installed). Tensors, torch [out, in]:
-    fc.weight [H, 3*Ht]; midlayer.self_attn.{q,k,v,o}_proj.weight; midlayer.mlp.{gate,up,down}_proj.weight;
-    midlayer.{hidden_norm, input_layernorm, post_attention_layernorm}.weight; norm.weight;
-    lm_head.weight [Vd, H]; d2t [Vd] (target id = draft id + d2t); t2d bool [V];
-    embed_tokens.weight [V, H] only in some exports (otherwise the head uses the target's table).
+A head directory holds config.json and its weights: model.safetensors, sharded safetensors with
+model.safetensors.index.json, or pytorch_model.bin (or shards with pytorch_model.bin.index.json; read only when
+torch is installed); fp32, bf16 or fp16.
+The config decides the layout (convert/eagle3_layouts.py: SafeAILab, SpecForge, speculators, ModelOpt,
+DeepSpec) and with it every rule below. Tensors, torch [out, in]:
+
+    fc.weight [H, n*Ht]                       n taps (three; DeepSpec five)
+    {P0}{input_layernorm, hidden_norm, post_attention_layernorm}.weight; {P0}self_attn.{q,k,v,o}_proj.weight
+        [q, k: 2H in]; {P0}mlp.{gate,up,down}_proj.weight; {P0}self_attn.{q,k}_norm.weight when the layout has
+        q/k norms; P0 = `midlayer.` (SafeAILab, SpecForge) or `layers.0.`
+    layers.{i}.* for i >= 1 (speculators, ModelOpt): a plain decoder layer over H (input_layernorm, self_attn,
+        post_attention_layernorm, mlp), as the dense target's layer is named
+    norm.weight [H]
+    lm_head.weight [Vd, H]                    ModelOpt: optional; absent = the target's lm_head (vLLM's
+                                              llm_base_proposer.py `_maybe_share_lm_head`)
+    d2t [Vd] (target id = draft id + d2t)     optional when Vd = V: absent = the identity (vLLM's
+                                              llama_eagle3.py keeps no map then; ModelOpt writes none)
+    t2d bool [V]                              optional, checked against d2t when present
+    embed_tokens.weight [V, H]                optional everywhere (absent = the target's table; speculators
+                                              and DeepSpec save their copy)
+
 Every tensor must be accounted for, as in convert/hf.py.
-
-Feature layers. The original taps the residual stream entering target layers 2, L//2 and
-L-3 (Hugging Face `hidden_states[2]`, `[L//2]`, `[L-3]`), concatenated in that order.
-Configs may instead name them in `eagle_config.eagle_aux_hidden_state_layer_ids`, counted
-as "output of layer i" = `hidden_states[i + 1]`. Either way the result is in HF
-hidden_states numbering, which is what `Drafter.feature_layers` uses.
-
-RoPE follows the original head: head_dim from the config (SpecForge's Qwen3 heads: 128 with hidden / heads 64
-or 80), else hidden / heads; base = config `rope_theta` when
-present (or `rope_parameters.rope_theta`, the newer spelling), else 10000. Of the scalings,
-the original implements linear (which it builds with base 10000 whatever rope_theta says;
-kept) and dynamic NTK (not implemented here: refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specjax.config import _DTYPE_NAMES, ModelConfig, RopeConfig
-from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_safetensors
+from specjax.config import _DTYPE_NAMES, ModelConfig
+from specjax.convert import eagle3_layouts as layouts
+from specjax.convert.eagle3_layouts import default_feature_layers  # noqa: F401 (re-exported)
+from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_json, read_tensors, safetensors_files
 from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 
-# specjax layer key -> name inside `midlayer.` (all [out, in] matrices transposed)
+# specjax first-layer key -> name inside the layer prefix (all [out, in] matrices transposed)
 _LAYER_KEYS = {
     "embed_norm": "input_layernorm.weight", "hidden_norm": "hidden_norm.weight",
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
     "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
 _TOP_KEYS = {"fc": "fc.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight"}
 _HARMLESS = ("midlayer.self_attn.rotary_emb.inv_freq",)
 
 
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """The original's taps in HF hidden_states numbering: entering layers 2, L//2, L-3."""
-    return 2, num_layers // 2, num_layers - 3
-
-
 def feature_layers_from_config(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """The head's taps in HF hidden_states numbering, checked against a target of `num_layers` layers.
-
-    `eagle_config.eagle_aux_hidden_state_layer_ids` counts "output of layer i" (= hidden_states[i + 1]);
-    without it, the original's default taps. Three distinct states, each the residual stream
-    entering one of the target's layers 1 .. L-1 (ids 0 .. L-2), or ValueError.
-    """
+    """A SafeAILab / SpecForge head's taps in HF hidden_states numbering (`eagle_config` ids + 1, else the
+    default 2, L//2, L-3), checked against a target of `num_layers` layers."""
+    field = "eagle_config.eagle_aux_hidden_state_layer_ids"
     ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
-        layers = default_feature_layers(num_layers)
-        if len(set(layers)) != 3:
-            raise ValueError(f"the default EAGLE-3 feature layers (hidden_states 2, L//2, L-3) = {list(layers)} are "
-                             f"not distinct for a target of {num_layers} layers (needs at least 7); set "
-                             "eagle_config.eagle_aux_hidden_state_layer_ids in the head's config.json")
-        return layers
-    if not isinstance(ids, (list, tuple)) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"config.json eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}; an EAGLE-3 "
-                         "head needs three integer layer ids")
-    layers = tuple(i + 1 for i in ids)
-    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
-    if bad:
-        raise ValueError(f"config.json eagle_config.eagle_aux_hidden_state_layer_ids {list(ids)} has {bad} outside "
-                         f"the target's layers: with {num_layers} layers the ids ('output of layer i') must lie "
-                         f"in 0..{num_layers - 2}")
-    if len(set(layers)) != 3:
-        raise ValueError(f"config.json eagle_config.eagle_aux_hidden_state_layer_ids {list(ids)} repeats a layer; "
-                         "an EAGLE-3 head reads three distinct layers")
-    return layers
+        return layouts.default_taps(num_layers, field)
+    return layouts.output_of_layer_taps(ids, field, num_layers)
 
 
-def head_rope(hf: dict[str, Any]) -> RopeConfig:
-    """The head's RoPE as the original builds it (see the module docstring)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else None
-    if kind is None or kind == "default":
-        return RopeConfig(theta=float(hf.get("rope_theta", params.get("rope_theta", 10000.0))))
-    if kind == "linear":
-        return RopeConfig(theta=10000.0, rope_type="linear", factor=float(scaling["factor"]))
-    raise ValueError(f"the EAGLE-3 head's config.json rope_scaling has type {kind!r}; specjax implements the head's "
-                     "RoPE without scaling or with 'linear' scaling only")
+def head_rope(hf: dict[str, Any]):
+    """The SafeAILab head's RoPE (kept for callers of the one-layout reader)."""
+    return layouts.safeailab_rope(hf)
 
 
-def eagle3_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = None) -> Eagle3Config:
-    """Eagle3Config from the head's config.json, checked against the target (ValueError naming both sides)."""
-    def need(key):
-        if key not in hf:
-            raise ValueError(f"the EAGLE-3 head's config.json lacks required field '{key}'")
-        return hf[key]
+def lm_head_source(layout: str, names: set[str] | None, target: ModelConfig) -> str:
+    """"own" when the checkpoint has lm_head.weight; a ModelOpt head without one uses the target's."""
+    if names is None or "lm_head.weight" in names:
+        return "own"
+    if layout != "modelopt":
+        raise ValueError(f"EAGLE-3 checkpoint lacks tensor 'lm_head.weight'; only ModelOpt exports may leave it out "
+                         f"(this head is in the {layout} layout)")
+    return "target_embed" if target.tie_word_embeddings else "target"
 
-    if hf.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"the EAGLE-3 head's config.json has num_hidden_layers={hf['num_hidden_layers']}; "
-                         "an EAGLE-3 head has exactly one decoder layer")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"the EAGLE-3 head's config.json hidden_act is {hf['hidden_act']!r}; "
-                         "only 'silu' is implemented")
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if (hf.get("head_dim") is None and hidden % heads) or heads % kv_heads:
-        raise ValueError(f"the EAGLE-3 head's hidden_size={hidden}, num_attention_heads={heads}, "
-                         f"num_key_value_heads={kv_heads}: heads must divide by kv heads, and without head_dim "
-                         "hidden by heads")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
-        raise ValueError(f"the EAGLE-3 head's config.json head_dim is {head_dim!r}; it must be an even integer "
-                         "(RoPE rotates pairs), or absent for hidden_size / num_attention_heads")
-    target_hidden = hf.get("target_hidden_size") or hidden
-    if target_hidden != target.hidden_size:
+
+def eagle3_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = None, *,
+                  tensor_names: set[str] | None = None, rope_theta: float | None = None) -> Eagle3Config:
+    """Eagle3Config from the head's config.json (its layout's rules), checked against the target (ValueError naming
+    both sides). tensor_names decides whether a ModelOpt head has its own lm_head; rope_theta overrides the base."""
+    layout = layouts.head_layout(hf)
+    fields = layouts.read_fields(hf, layout, target)
+    if fields["target_hidden_size"] != target.hidden_size:
         field = "target_hidden_size" if hf.get("target_hidden_size") else "hidden_size"
-        raise ValueError(f"the EAGLE-3 head reads target features of width {target_hidden} (config.json {field}) "
-                         f"but the target's hidden_size is {target.hidden_size}")
-    vocab = need("vocab_size")
-    if vocab != target.vocab_size:
-        raise ValueError(f"the EAGLE-3 head's config.json vocab_size is {vocab} but the target's vocabulary has "
-                         f"{target.vocab_size} tokens; the head must be trained for this target")
-    torch_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    return Eagle3Config(
-        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=need("intermediate_size"),
-        vocab_size=vocab, draft_vocab_size=hf.get("draft_vocab_size") or vocab, target_hidden_size=target_hidden,
-        feature_layers=feature_layers_from_config(hf, target.num_layers),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope=head_rope(hf),
-        dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"),
-        config_head_dim=head_dim if head_dim != hidden // heads else None)
+        raise ValueError(f"the EAGLE-3 head reads target features of width {fields['target_hidden_size']} "
+                         f"(config.json {field}) but the target's hidden_size is {target.hidden_size}")
+    if fields["vocab_size"] != target.vocab_size:
+        raise ValueError(f"the EAGLE-3 head's config.json vocab_size is {fields['vocab_size']} but the target's "
+                         f"vocabulary has {target.vocab_size} tokens; the head must be trained for this target")
+    if rope_theta is not None:
+        fields["rope"] = dataclasses.replace(fields["rope"], theta=float(rope_theta))
+    lm_head = lm_head_source(layout, tensor_names, target)
+    if lm_head != "own" and fields["draft_vocab_size"] != fields["vocab_size"]:
+        raise ValueError(f"the ModelOpt head has a draft vocabulary of {fields['draft_vocab_size']} tokens but no "
+                         "lm_head.weight of its own: the target's lm_head scores the whole vocabulary "
+                         f"({fields['vocab_size']})")
+    return Eagle3Config(**fields, dtype=dtype or _DTYPE_NAMES.get(layouts.torch_dtype(hf), "float32"), lm_head=lm_head,
+                        layout=layout)
 
 
 def read_head_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """The head's tensors: model.safetensors, else pytorch_model.bin through torch (if importable)."""
+    """The head's tensors: (sharded) safetensors, else pytorch_model.bin through torch (if importable)."""
     model_dir = Path(model_dir)
-    st = model_dir / "model.safetensors"
-    if st.is_file():
-        return read_safetensors(st)
-    binary = model_dir / "pytorch_model.bin"
-    if binary.is_file():
+    if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file():
+        return read_tensors(safetensors_files(model_dir))
+    binaries = _pickle_files(model_dir)
+    if binaries:
         try:
             import torch  # noqa: PLC0415 (optional: only this format needs it)
         except ImportError:
-            raise ValueError(f"{binary} is a PyTorch pickle and torch is not installed: install torch "
+            raise ValueError(f"{binaries[0]} is a PyTorch pickle and torch is not installed: install torch "
                              "(pip install torch) or convert the head to model.safetensors") from None
-        state = torch.load(str(binary), map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
-    raise FileNotFoundError(f"no EAGLE-3 head weights in {model_dir}: expected model.safetensors or pytorch_model.bin")
+        tensors = {}
+        for binary in binaries:
+            state = torch.load(str(binary), map_location="cpu", weights_only=True)
+            tensors.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()})
+        return tensors
+    raise FileNotFoundError(f"no EAGLE-3 head weights in {model_dir}: expected model.safetensors, "
+                            "model.safetensors.index.json with its shards, or pytorch_model.bin (or its index)")
+
+
+def _pickle_files(model_dir: Path) -> list[Path]:
+    """pytorch_model.bin, or the shards pytorch_model.bin.index.json names (what SafeAILab's DeepSpeed save and
+    older transformers write)."""
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing or not files:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing or 'none listed'}")
+        return files
+    single = model_dir / "pytorch_model.bin"
+    return [single] if single.is_file() else []
 
 
 def _check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray | None, cfg: Eagle3Config) -> None:
@@ -175,10 +159,28 @@ def _check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray | None, cfg: Eagle3Config
         raise ValueError("t2d and d2t disagree: t2d must be true exactly at the target ids d2t maps to")
 
 
-def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, np.ndarray]:
+def _vocab_map(tensors: dict[str, np.ndarray], cfg: Eagle3Config, used: set[str]) -> np.ndarray:
+    """d2t (int32): the checkpoint's, checked, or the identity when the draft vocabulary is the target's."""
+    if "d2t" not in tensors:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(f"EAGLE-3 checkpoint lacks tensor 'd2t' but its draft vocabulary ({cfg.draft_vocab_size}) "
+                             f"is smaller than the target's ({cfg.vocab_size})")
+        t2d = tensors.get("t2d")
+        if t2d is not None and not np.asarray(t2d).astype(bool).all():
+            raise ValueError("tensor 't2d' leaves target tokens out of a draft vocabulary the size of the target's")
+        used |= {"t2d"} & set(tensors)
+        return np.zeros(cfg.draft_vocab_size, np.int32)
+    d2t = np.asarray(tensors["d2t"])
+    t2d = np.asarray(tensors["t2d"]) if "t2d" in tensors else None
+    _check_vocab_maps(d2t, t2d, cfg)
+    used |= {"d2t", "t2d"} & set(tensors)
+    return d2t.astype(np.int32)
+
+
+def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, Any]:
     """specjax params (numpy, [in, out]) from the head's tensors; every tensor checked and accounted for.
 
-    Includes `embed` only when the checkpoint carries embed_tokens.weight.
+    Includes `embed` only when the checkpoint carries embed_tokens.weight, `lm_head` only when it has its own.
     """
     dtype = NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
@@ -195,43 +197,41 @@ def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, 
         used.add(name)
         return np.asarray(t).astype(dtype)
 
-    params: dict[str, Any] = {k: take(name, shapes[k], k in ("fc", "lm_head")) for k, name in _TOP_KEYS.items()}
-    params["layer"] = {k: take(f"midlayer.{name}", shapes["layer"][k], not k.endswith("norm"))
-                       for k, name in _LAYER_KEYS.items()}
-    if cfg.draft_vocab_size != cfg.vocab_size or "d2t" in tensors:
-        if "d2t" not in tensors:
-            raise ValueError(f"EAGLE-3 checkpoint lacks tensor 'd2t' but its draft vocabulary ({cfg.draft_vocab_size}) "
-                             f"is smaller than the target's ({cfg.vocab_size})")
-        d2t = np.asarray(tensors["d2t"])
-        t2d = np.asarray(tensors["t2d"]) if "t2d" in tensors else None
-        _check_vocab_maps(d2t, t2d, cfg)
-        used |= {"d2t", "t2d"} & set(tensors)
-    else:
-        d2t = np.zeros(cfg.draft_vocab_size, np.int64)
-        used |= {"t2d"} & set(tensors)
-    params["d2t"] = d2t.astype(np.int32)
+    params: dict[str, Any] = {k: take(name, shapes[k], k in ("fc", "lm_head"))
+                              for k, name in _TOP_KEYS.items() if k in shapes}
+    first = layouts.layer_prefix(cfg.layout, 0)
+    params["layer"] = {k: take(first + name, shapes["layer"][k], not k.endswith("norm"))
+                       for k, name in _LAYER_KEYS.items() if k in shapes["layer"]}
+    for i in range(1, cfg.num_layers):  # layers over H: named as the dense target's layers are
+        prefix, layer_shapes = layouts.layer_prefix(cfg.layout, i), shapes["extra_layers"][i - 1]
+        params.setdefault("extra_layers", {})[i - 1] = {
+            k: take(prefix + name, layer_shapes[k], transpose) for k, (name, transpose) in LAYER_KEYS.items()
+            if k in layer_shapes}
+    params["d2t"] = _vocab_map(tensors, cfg, used)
     if "embed_tokens.weight" in tensors:
         params["embed"] = take("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), False)
     leftover = sorted(n for n in tensors if n not in used and n not in _HARMLESS)
     if leftover:
         shown = ", ".join(f"'{n}'" for n in leftover[:8])
-        raise ValueError(f"EAGLE-3 checkpoint has {len(leftover)} tensor(s) an EAGLE-3 head does not have: {shown}"
-                         f"{' ...' if len(leftover) > 8 else ''}; specjax refuses to drop weights")
+        raise ValueError(f"EAGLE-3 checkpoint has {len(leftover)} tensor(s) an EAGLE-3 head in the {cfg.layout} "
+                         f"layout does not have: {shown}{' ...' if len(leftover) > 8 else ''}; specjax refuses to "
+                         "drop weights")
     return params
 
 
-def load_eagle3(model_dir: str | Path, target: ModelConfig, dtype: str | None = None
-                ) -> tuple[Eagle3Config, dict[str, np.ndarray]]:
+def load_eagle3(model_dir: str | Path, target: ModelConfig, dtype: str | None = None, *,
+                rope_theta: float | None = None) -> tuple[Eagle3Config, dict[str, Any]]:
     """(config, host params) of the EAGLE-3 head in model_dir, checked against the target's config.
 
-    The params lack `embed` unless the checkpoint has one; the drafter then uses the target's table.
-    When the head's width differs from the target's (config `target_hidden_size`), the target's
-    table cannot serve and the checkpoint must carry its own.
+    The params lack `embed` unless the checkpoint has one; the drafter then uses the target's table (and,
+    for a ModelOpt head without lm_head, the target's lm_head). When the head's width differs from the
+    target's (config `target_hidden_size`), the target's table cannot serve and the checkpoint must carry its own.
     """
     model_dir = Path(model_dir)
     hf = read_hf_config(model_dir)
-    cfg = eagle3_config(hf, target, dtype)
-    params = head_params(read_head_tensors(model_dir), cfg)
+    tensors = read_head_tensors(model_dir)
+    cfg = eagle3_config(hf, target, dtype, tensor_names=set(tensors), rope_theta=rope_theta)
+    params = head_params(tensors, cfg)
     if "embed" not in params and cfg.hidden_size != target.hidden_size:
         raise ValueError(f"the EAGLE-3 head has hidden_size {cfg.hidden_size} but the target {target.hidden_size}, "
                          "and the checkpoint has no embed_tokens.weight of its own: the target's embedding cannot "

@@ -17,14 +17,13 @@ scripts/train_mtp.py writes) is exported together with its target (`--target`): 
 holding the target's tensors, the MTP tensors, the layer count and the target's tokenizer files.
 transformers loads that as a plain causal LM (it ignores the MTP tensors, with a warning).
 
-EAGLE-3 heads become the SafeAILab layout (`convert/eagle3.py` reads it back): config.json
-(`LlamaForCausalLMEagle3`, `draft_vocab_size`, the taps as
-`eagle_config.eagle_aux_hidden_state_layer_ids` in "output of layer" numbering, so
-hidden_states i is written as i - 1) and model.safetensors with fc, midlayer.*, norm, lm_head,
-d2t (int64) and t2d (bool). The target's embedding is not written unless asked for (the
-original loads it from the target). The source is an EAGLE-3 training run (see
-`scripts/train_eagle3.py`: its orbax checkpoints and `eagle3_head.json`) or, from Python,
-a config and params.
+EAGLE-3 heads go back in the layout they came from (`Eagle3Config.layout`: SafeAILab, SpecForge,
+speculators, ModelOpt or DeepSpec; convert/eagle3_layouts.py writes each config.json and convert/eagle3.py
+reads it back): the producer's config fields (the taps in its numbering) and its tensor names and key set
+(`eagle3_tensors`: which of d2t / t2d / lm_head / embed_tokens each producer saves). The source is a loaded
+head (`drafter.cfg`, `drafter.params`, from Python: `export_eagle3`), an EAGLE-3 head directory re-written with
+its target (`specjax export HEAD DST --target T`), or an EAGLE-3 training run (see `scripts/train_eagle3.py`:
+its orbax checkpoints and `eagle3_head.json`; SafeAILab's layout).
 
 DFlash heads (z-lab, `DFlashDraftModel`) and DSpark heads (DeepSpec, `Qwen3DSparkModel`) are written
 in their originals' formats (convert/dflash.py, convert/dspark.py read them back): config.json and
@@ -41,6 +40,7 @@ destination is replaced only with overwrite, and survives until the new one is c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -53,12 +53,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
-from specjax.convert import checkpoint
+from specjax.convert import checkpoint, eagle3_layouts
 from specjax.convert.dflash import LAYER_KEYS as BLOCK_LAYER_KEYS
 from specjax.convert.dflash import TOP_KEYS as BLOCK_TOP_KEYS
 from specjax.convert.dflash import is_dflash_config
 from specjax.convert.dspark import CALIBRATION_FILE, TABLES_FROM_TARGET, is_dspark_config
 from specjax.convert.eagle3 import _LAYER_KEYS as HEAD_LAYER_KEYS
+from specjax.convert.eagle3 import load_eagle3
 from specjax.convert.hf import load_hf
 from specjax.convert.hf_files import LAYER_KEYS as MODEL_LAYER_KEYS
 from specjax.convert.hf_files import read_json, read_tensors, safetensors_files
@@ -258,55 +259,86 @@ def export_mtp_only(src: str | Path, target: str | Path, dst: str | Path, *, dty
 # ---- EAGLE-3 heads ----------------------------------------------------------------------------------------
 
 
-def eagle3_hf_config(cfg: Eagle3Config, dtype: str | None = None) -> dict[str, Any]:
-    """The SafeAILab config.json of a head: what `convert.eagle3.eagle3_config` reads back to `cfg`."""
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
-        "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": dtype or cfg.dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.feature_layers]},
-    }
-    if cfg.target_hidden_size != cfg.hidden_size:
-        config["target_hidden_size"] = cfg.target_hidden_size
-    rope = cfg.rope
-    if rope.rope_type == "linear":
-        config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": rope.factor}
-    elif rope.rope_type == "default":
-        config["rope_theta"] = rope.theta
-    else:
-        raise ValueError(f"an EAGLE-3 head's RoPE is default or linear; this one is {rope.rope_type!r}")
-    return config
+def eagle3_hf_config(cfg: Eagle3Config, dtype: str | None = None, source: dict | None = None) -> dict[str, Any]:
+    """The config.json of a head in its layout (cfg.layout): what `convert.eagle3.eagle3_config` reads back to
+    `cfg`; `source`, the producer's own config.json, keeps its other keys."""
+    return eagle3_layouts.write_config(cfg, dtype or cfg.dtype, source)
 
 
-def eagle3_tensors(params: dict, vocab_size: int, dtype: str, include_embed: bool = False) -> dict[str, np.ndarray]:
-    """SafeAILab tensors of a head's params ([in, out] -> [out, in]); d2t int64, t2d bool like the original."""
-    tensors = {"fc.weight": _cast(np.asarray(params["fc"]).T, dtype),
-               "norm.weight": _cast(params["final_norm"], dtype),
-               "lm_head.weight": _cast(np.asarray(params["lm_head"]).T, dtype)}
-    for key, name in HEAD_LAYER_KEYS.items():
-        value = np.asarray(params["layer"][key])
-        tensors[f"midlayer.{name}"] = _cast(value if key.endswith("norm") else value.T, dtype)
+def check_eagle3_layout(cfg: Eagle3Config, layout: str) -> None:
+    """A head can be written in `layout` only when that layout can hold it (and its producer can run it)."""
+    if layout not in eagle3_layouts.LAYOUTS:
+        raise ValueError(f"EAGLE-3 layout must be one of {eagle3_layouts.LAYOUTS}, got {layout!r}")
+    problems = []
+    if cfg.num_layers > 1 and layout not in ("speculators", "modelopt"):
+        problems.append(f"{cfg.num_layers} decoder layers (only speculators and ModelOpt heads have several)")
+    if cfg.qk_norm and layout not in ("speculators", "deepspec"):
+        problems.append("q/k norms (speculators' qwen3 heads and DeepSpec's have them)")
+    if not cfg.qk_norm and layout == "deepspec":
+        problems.append("no q/k norms (DeepSpec's Qwen3Eagle3Model has them)")
+    if cfg.lm_head != "own" and layout != "modelopt":
+        problems.append("no lm_head of its own (only ModelOpt exports may leave it to the target)")
+    if layout == "deepspec" and (cfg.draft_vocab_size != cfg.vocab_size or cfg.num_taps != 5):
+        problems.append("DeepSpec heads draft over the whole vocabulary from five taps")
+    if cfg.num_taps != 3 and layout in ("safeailab", "specforge"):
+        problems.append(f"{cfg.num_taps} taps (SafeAILab and SpecForge heads read three)")
+    if cfg.norm_before_residual and layout not in ("speculators", "modelopt"):
+        problems.append("norm_before_residual (a speculators / vLLM flag)")
+    if problems:
+        raise ValueError(f"this EAGLE-3 head cannot be written in the {layout} layout: it has {'; '.join(problems)}")
+
+
+def _layer_tensors(prefix: str, layer: dict, names: dict[str, tuple[str, bool]], dtype: str) -> dict[str, np.ndarray]:
+    return {prefix + names[k][0]: _cast(np.asarray(v).T if names[k][1] else v, dtype) for k, v in layer.items()}
+
+
+def eagle3_tensors(params: dict, dtype: str, *, layout: str = "safeailab", vocab_size: int,
+                   include_embed: bool | None = None) -> dict[str, np.ndarray]:
+    """The tensors of a head's params ([in, out] -> [out, in]) under its layout's names, as its producer saves them:
+    SafeAILab / SpecForge keep d2t (int64) and t2d (bool) always; speculators both when the draft vocabulary is
+    reduced (its DraftVocabMixin); ModelOpt d2t only then, never t2d or the embedding (EagleExporter); DeepSpec
+    neither map. lm_head is written when params hold one (a head scored by the target's has none). The embedding (`params["embed"]`) by default where the producer saves it: speculators, DeepSpec."""
     d2t = np.asarray(params["d2t"]).astype(np.int64)
+    tensors = {"fc.weight": _cast(np.asarray(params["fc"]).T, dtype), "norm.weight": _cast(params["final_norm"], dtype)}
+    if "lm_head" in params:
+        tensors["lm_head.weight"] = _cast(np.asarray(params["lm_head"]).T, dtype)
+    first = {k: (name, not k.endswith("norm")) for k, name in HEAD_LAYER_KEYS.items()}
+    tensors.update(_layer_tensors(eagle3_layouts.layer_prefix(layout, 0), params["layer"], first, dtype))
+    for i, layer in (params.get("extra_layers") or {}).items():
+        tensors.update(_layer_tensors(eagle3_layouts.layer_prefix(layout, int(i) + 1), layer, MODEL_LAYER_KEYS, dtype))
     target_ids = np.arange(len(d2t)) + d2t
     if target_ids.min() < 0 or target_ids.max() >= vocab_size:
         raise ValueError(f"d2t maps draft ids outside the target's vocabulary of {vocab_size} tokens")
-    t2d = np.zeros(vocab_size, bool)
-    t2d[target_ids] = True
-    tensors["d2t"], tensors["t2d"] = d2t, t2d
+    reduced = len(d2t) < vocab_size
+    if layout in ("safeailab", "specforge") or (layout == "speculators" and reduced):
+        t2d = np.zeros(vocab_size, bool)
+        t2d[target_ids] = True
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    elif layout == "modelopt" and reduced:
+        tensors["d2t"] = d2t
+    if include_embed is None:
+        include_embed = layout in ("speculators", "deepspec")
     if include_embed:
+        if "embed" not in params:
+            raise ValueError(f"a {layout} head is saved with its embedding table; pass params with 'embed' (the "
+                             "target's table)")
         tensors["embed_tokens.weight"] = _cast(params["embed"], dtype)
     return tensors
 
 
 def export_eagle3(cfg: Eagle3Config, params: dict, dst: str | Path, *, dtype: str | None = None,
-                  include_embed: bool = False, overwrite: bool = False) -> Path:
-    """Write an EAGLE-3 head (config + params with `d2t`) in the SafeAILab format."""
+                  layout: str | None = None, include_embed: bool | None = None, source_config: dict | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write an EAGLE-3 head (config + params with `d2t`; a loaded drafter's `.cfg` / `.params`) in its layout
+    (cfg.layout, or `layout` when it can hold the head): config.json (the producer's keys; `source_config`, the
+    original config.json, keeps its other fields) and model.safetensors under the producer's tensor names."""
     dtype = dtype or cfg.dtype
-    return write_hf_dir(dst, eagle3_hf_config(cfg, dtype),
-                        eagle3_tensors(params, cfg.vocab_size, dtype, include_embed), overwrite=overwrite)
+    layout = layout or cfg.layout
+    check_eagle3_layout(cfg, layout)
+    cfg = dataclasses.replace(cfg, layout=layout)
+    params = {k: v for k, v in params.items() if not (k == "lm_head" and cfg.lm_head != "own")}
+    tensors = eagle3_tensors(params, dtype, layout=layout, vocab_size=cfg.vocab_size, include_embed=include_embed)
+    return write_hf_dir(dst, eagle3_hf_config(cfg, dtype, source_config), tensors, overwrite=overwrite)
 
 
 def is_eagle3_run(path: Path) -> bool:
@@ -328,8 +360,8 @@ def export_eagle3_run(run_dir: str | Path, dst: str | Path, *, dtype: str | None
     config = spec["config"]
     dtype = dtype or config.get("torch_dtype", "float32")
     params = {**params, "d2t": np.asarray(spec["d2t"], np.int64)}
-    return write_hf_dir(dst, {**config, "torch_dtype": dtype}, eagle3_tensors(params, config["vocab_size"], dtype),
-                        overwrite=overwrite)
+    tensors = eagle3_tensors(params, dtype, layout=eagle3_layouts.head_layout(config), vocab_size=config["vocab_size"])
+    return write_hf_dir(dst, {**config, "torch_dtype": dtype}, tensors, overwrite=overwrite)
 
 
 # ---- DFlash and DSpark heads ------------------------------------------------------------------------------
@@ -481,8 +513,23 @@ def export_dspark_dir(src: str | Path, dst: str | Path, *, target: str | Path | 
                         overwrite=overwrite)
 
 
+def export_eagle3_dir(src: str | Path, dst: str | Path, target: str | Path, *, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """An EAGLE-3 head directory (any producer's layout) re-written in its own layout, cast to dtype: read with the
+    target it drafts for (its taps and, for a ModelOpt head without lm_head, its scoring depend on the target's
+    config), written with the source's other config keys kept."""
+    src, target = Path(src), Path(target)
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"target {target} has no config.json: pass the head's target (a specjax checkpoint or "
+                                "a Hugging Face directory)")
+    source = read_json(src / "config.json")
+    tcfg = ModelConfig.from_hf(text_model_config(read_json(target / "config.json")))
+    cfg, params = load_eagle3(src, tcfg, dtype or eagle3_layouts.torch_dtype(source))
+    return export_eagle3(cfg, params, dst, include_embed="embed" in params, source_config=source, overwrite=overwrite)
+
+
 def _head_family(path: Path) -> str | None:
-    """'dflash' / 'dspark' for a DFlash or DSpark directory (by its config.json), else None."""
+    """'dflash' / 'dspark' / 'eagle3' for a DFlash, DSpark or EAGLE-3 directory (by its config.json), else None."""
 
     file = path / "config.json"
     if checkpoint.is_checkpoint(path) or not file.is_file():
@@ -492,7 +539,9 @@ def _head_family(path: Path) -> str | None:
         return None
     if is_dspark_config(config):
         return "dspark"
-    return "dflash" if is_dflash_config(config) else None
+    if is_dflash_config(config):
+        return "dflash"
+    return "eagle3" if eagle3_layouts.is_eagle3_config(config) else None
 
 
 def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False,
@@ -519,9 +568,14 @@ def export(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwr
             raise ValueError(f"{src} is a DFlash head, which never carries the target's tables; --target is not "
                              "needed")
         return export_dflash_dir(src, dst, dtype=dtype, overwrite=overwrite)
+    if family == "eagle3":
+        if target is None:
+            raise ValueError(f"{src} is an EAGLE-3 head: pass the target it drafts for with --target "
+                             "(export(..., target=...)); the head is re-written in its own layout")
+        return export_eagle3_dir(src, dst, target, dtype=dtype, overwrite=overwrite)
     if target is not None:
-        raise ValueError(f"--target is for exporting an MTP-only directory or a DSpark head with its target; {src} "
-                         "is neither")
+        raise ValueError(f"--target is for exporting an MTP-only directory, a DSpark or an EAGLE-3 head with its "
+                         f"target; {src} is none of them")
     if checkpoint.is_checkpoint(src):
         return export_model(src, dst, dtype=dtype, overwrite=overwrite)
     if is_eagle3_run(src):

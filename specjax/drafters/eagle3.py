@@ -1,14 +1,23 @@
-"""EAGLE-3 head: a one-layer drafter that reads target features from three depths.
+"""EAGLE-3 head: a drafter that reads target features from several depths (three, or DeepSpec's five).
 
 Inference math (the SafeAILab/EAGLE `cnets.Model` forward, written in specjax's terms):
 
-    first step:   h = fc(concat(g_low, g_mid, g_high))        3 x target hidden -> H, no bias
+    first step:   h = fc(concat(g_1, ..., g_n))                n x target hidden -> H, no bias
     every step:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))     embedding first, 2H
-                  q, k, v = x @ Wq, Wk, Wv; RoPE (the config's head_dim, else H / heads; the head's own base)
-                  h' = h + o_proj(attention over the head's own KV cache)
-                  h' = h' + mlp(post_attention_layernorm(h'))                 pre-norm output
+                  q, k, v = x @ Wq, Wk, Wv; [q/k RMSNorm per head]; RoPE (the config's head_dim, else H / heads;
+                  the head's own base)
+                  h' = r + o_proj(attention over the head's own KV cache)    r = h, or hidden_norm(h) when
+                                                                             norm_before_residual
+                  h' = h' + mlp(post_attention_layernorm(h'))
+                  [layers 1 .. L-1: plain pre-norm decoder layers over H (vLLM / speculators multi-layer heads)]
                   logits = lm_head(norm(h'))                                  over the draft vocab
-    later steps feed h' back as h (no fc), so the head drafts a chain from its own output.
+    later steps feed h' (the last layer's pre-norm output) back as h (no fc), so the head drafts a chain from
+    its own output.
+
+The producers differ only in what the brackets say and where the weights live (convert/eagle3.py and
+convert/eagle3_layouts.py read each one's layout): DeepSpec's and speculators' Qwen3 heads add q/k norms,
+speculators' heads may set norm_before_residual, vLLM / speculators / ModelOpt heads may have several layers,
+ModelOpt heads may have no lm_head of their own (then the target's scores them, `lm_head="target"`).
 
 Pairing: feature row p (the target's hidden states at token t_p) goes with the embedding
 of t_{p+1}; the row of the newest token goes with the token just chosen. A draft id maps
@@ -16,12 +25,13 @@ to a target id as `draft_id + d2t[draft_id]`.
 
 The network is `Eagle3Head` (an NNX module); its plain-dict form (`to_params`, what the
 checkpoint reader produces and the drafter carries), [in, out] matrices as everywhere in specjax:
-    fc [3*Ht, H]; layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
-    wk/wv [2H, Hkv*D], wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm), w_gate/w_up
-    [H, F], w_down [F, H]}; final_norm [H]; lm_head [H, Vd]; d2t int32 [Vd];
-    embed [V, H] (the target's table unless the checkpoint carries its own).
-The layer is the decoder's `DecoderLayer` over the 2H input (no attn_norm: the two input norms
-replace it), so its projections, attention output and MLP are the target's code.
+    fc [n*Ht, H]; layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
+    wk/wv [2H, Hkv*D], (q_norm, k_norm [D]), wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm),
+    w_gate/w_up [H, F], w_down [F, H]}; extra_layers {0: ..., L-2: a DecoderLayer's params} (L > 1 only);
+    final_norm [H]; lm_head [H, Vd] (the target's [H, V] when lm_head="target", absent when "target_embed");
+    d2t int32 [Vd]; embed [V, H] (the target's table unless the checkpoint carries its own).
+The layers are the decoder's `DecoderLayer` (the first over the 2H input, with no attn_norm: the two input
+norms replace it), so projections, q/k norms, attention output and MLP are the target's code.
 """
 
 from __future__ import annotations
@@ -46,13 +56,21 @@ from specjax.models.decoder import DecoderLayer
 from specjax.models.layers import cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
 from specjax.models.state import merged, shapes_of, to_params
 
+LM_HEADS = ("own", "target", "target_embed")  # the head's own [H, Vd]; the target's lm_head; the target's tied table
+
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
     """Shape and numerics of one EAGLE-3 head, and the target features it reads.
 
     feature_layers: target hidden states in Hugging Face numbering (i = the residual stream
-    entering layer i), in the order they are concatenated for fc.
+    entering layer i), in the order they are concatenated for fc (three, or DeepSpec's five).
+    num_layers: decoder layers; layer 0 reads the 2H concat, layers 1.. are plain layers over H.
+    qk_norm: per-head RMSNorm of q and k before RoPE (DeepSpec's and speculators' Qwen3 heads).
+    norm_before_residual: the first layer's residual is hidden_norm(h) instead of h (speculators' flag).
+    lm_head: "own" (a [H, Vd] matrix of the head), "target" (the target's lm_head, shared: a ModelOpt export
+    without one) or "target_embed" (the same for a target with tied embeddings: its embedding table).
+    layout: the producer's checkpoint layout it was read from and is exported back to (convert/eagle3_layouts.py).
     """
 
     hidden_size: int
@@ -67,6 +85,18 @@ class Eagle3Config:
     rope: RopeConfig = RopeConfig()
     dtype: str = "float32"
     config_head_dim: int | None = None  # config.json head_dim when given (SpecForge's Qwen3 heads: 128)
+    num_layers: int = 1
+    qk_norm: bool = False
+    norm_before_residual: bool = False
+    lm_head: str = "own"
+    layout: str = "safeailab"
+
+    def __post_init__(self):
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"Eagle3Config.lm_head is {self.lm_head!r}; one of {LM_HEADS}")
+        if self.lm_head != "own" and self.draft_vocab_size != self.vocab_size:
+            raise ValueError(f"an EAGLE-3 head scored by the target's lm_head drafts over the whole vocabulary "
+                             f"({self.vocab_size}), not a draft vocabulary of {self.draft_vocab_size}")
 
     @property
     def head_dim(self) -> int:
@@ -75,12 +105,16 @@ class Eagle3Config:
         return self.config_head_dim or self.hidden_size // self.num_heads
 
     @property
+    def num_taps(self) -> int:
+        return len(self.feature_layers)
+
+    @property
     def layer_cfg(self) -> ModelConfig:
-        """The head's decoder layer as a ModelConfig, for the shared decoder and cache helpers."""
+        """The head's decoder layers as a ModelConfig, for the shared decoder and cache helpers."""
         return ModelConfig(vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-                           rope=self.rope, dtype=self.dtype)
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, rope=self.rope, qk_norm=self.qk_norm, dtype=self.dtype)
 
 
 class VocabMap(nnx.Variable):
@@ -88,13 +122,14 @@ class VocabMap(nnx.Variable):
 
 
 class Eagle3Layer(DecoderLayer):
-    """The head's decoder layer: the decoder's layer over x = concat(embed_norm(e), hidden_norm(h)), width 2H.
+    """The head's first decoder layer: the decoder's layer over x = concat(embed_norm(e), hidden_norm(h)), width 2H.
 
     embed_norm is the original's input_layernorm; the layer has no attn_norm of its own.
     """
 
     def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, scale: float):
         super().__init__(cfg.layer_cfg, rngs=rngs, in_features=2 * cfg.hidden_size, input_norm=False, scale=scale)
+        self.norm_before_residual = cfg.norm_before_residual
         ones = jnp.ones((cfg.hidden_size,), jnp.dtype(cfg.dtype))
         self.embed_norm, self.hidden_norm = param(ones, "embed"), param(ones, "embed")
 
@@ -105,51 +140,70 @@ class Eagle3Layer(DecoderLayer):
                                   rms_norm(h_BTD, self.hidden_norm[...], eps)], axis=-1)
         return self.project_qkv(x_BT2D, positions_BT, inv_freq)
 
+    def residual(self, h_BTD: jax.Array) -> jax.Array:
+        """What the attention output is added to: h, or hidden_norm(h) under norm_before_residual (speculators'
+        Eagle3FirstLayerMixin and vLLM's llama_eagle3.py `_norm_before_residual`)."""
+        if self.norm_before_residual:
+            return rms_norm(h_BTD, self.hidden_norm[...], self.cfg.rms_norm_eps)
+        return h_BTD
+
+    def output(self, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
+        """The layer's output from its hidden input and its attention output: residual, o_proj, MLP."""
+        return self.attn_out_and_mlp(self.residual(h_BTD), o_BTHD)
+
 
 class Eagle3Head(nnx.Module):
-    """The EAGLE-3 network: fc over the three taps, its one layer, final norm, draft-vocabulary lm_head, d2t, embed.
+    """The EAGLE-3 network: fc over the taps, its layers, final norm, lm_head, d2t, embed.
 
     Initialised with normal(0, scale) matrices and unit norms (training's init); `embed` / `d2t` default to
-    a random table and the identity map when not given (the drafter passes the target's table).
+    a random table and the identity map when not given (the drafter passes the target's table). With
+    lm_head "target" the lm_head is a [H, V] placeholder the drafter fills with the target's; with
+    "target_embed" there is none (the embedding table scores).
     """
 
     def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, scale: float = 0.02, embed: jax.Array | None = None,
                  d2t: jax.Array | None = None):
         self.cfg = cfg
         h, dtype = cfg.hidden_size, jnp.dtype(cfg.dtype)
-        self.fc = param(normal(rngs, (3 * cfg.target_hidden_size, h), dtype, scale), None, "embed")
+        self.fc = param(normal(rngs, (cfg.num_taps * cfg.target_hidden_size, h), dtype, scale), None, "embed")
         self.layer = Eagle3Layer(cfg, rngs=rngs, scale=scale)
+        self.extra_layers = nnx.List([DecoderLayer(cfg.layer_cfg, rngs=rngs, scale=scale)
+                                      for _ in range(cfg.num_layers - 1)]) if cfg.num_layers > 1 else None
         self.final_norm = param(jnp.ones((h,), dtype), "embed")
-        self.lm_head = param(normal(rngs, (h, cfg.draft_vocab_size), dtype, scale), "embed", "vocab")
+        self.lm_head = None if cfg.lm_head == "target_embed" else \
+            param(normal(rngs, (h, cfg.draft_vocab_size), dtype, scale), "embed", "vocab")
         self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None
                             else jnp.asarray(d2t, jnp.int32))
         self.embed = param(normal(rngs, (cfg.vocab_size, h), dtype, scale) if embed is None else embed,
                            "vocab", "embed")
 
     def fuse(self, features_BTF: jax.Array) -> jax.Array:
-        """fc: target features [B, T, 3*Ht] -> the head's hidden input [B, T, H]. First step only."""
+        """fc: target features [B, T, n*Ht] -> the head's hidden input [B, T, H]. First step only."""
         fc = self.fc[...]
         return features_BTF.astype(fc.dtype) @ fc
 
+    def inv_freq(self) -> jax.Array:
+        return rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
+
     def qkv(self, ids_BT: jax.Array, h_BTD: jax.Array, positions_BT: jax.Array):
-        """The head layer up to attention: q, k, v (RoPE applied) from concat(norm(embed(ids)), norm(h)).
+        """The first layer up to attention: q, k, v (RoPE applied) from concat(norm(embed(ids)), norm(h)).
 
         Shared by serving (`midlayer`, over the KV cache) and training (specjax.train.eagle3, over the
         training-time-test attention), so both run the same input fusion and projections.
         """
         emb_BTD = self.embed[...][ids_BT].astype(h_BTD.dtype)
-        return self.layer.fused_qkv(emb_BTD, h_BTD, positions_BT, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
+        return self.layer.fused_qkv(emb_BTD, h_BTD, positions_BT, self.inv_freq())
 
     def midlayer(self, ids_BT: jax.Array, h_BTD: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
                  mask_BTR: jax.Array | None = None, slot=0, attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-        """The head's decoder layer over T new rows per row after each row's cached prefix.
+        """The head's decoder layers over T new rows per row after each row's cached prefix.
 
         ids_BT are target token ids (embedded with `embed`); h_BTD the hidden input (fc of the
-        features, or the head's own previous output). K/V are written at `lengths + slot + t`;
-        lengths stay unchanged (the caller advances or commits, as for the target's forward).
+        features, or the head's own previous output). K/V are written at `lengths + slot + t` in every
+        layer's buffer; lengths stay unchanged (the caller advances or commits, as for the target's forward).
         positions default to `lengths + t`, mask_BTR to causal among the new rows. A tree level passes
         its window: slot and a mask over the R slots after the prefix (see `layers.cached_attention`).
-        Returns the pre-norm hidden states [B, T, H] and the cache.
+        Returns the last layer's pre-norm hidden states [B, T, H] and the cache.
         """
         b, t = ids_BT.shape
         lengths_B = cache.lengths
@@ -158,14 +212,20 @@ class Eagle3Head(nnx.Module):
         if mask_BTR is None:
             mask_BTR = jnp.broadcast_to(causal_mask(t), (b, t, t))
         q_BTHD, k_BTKD, v_BTKD = self.qkv(ids_BT, h_BTD, positions_BT)
-        (k_buf,), (v_buf,) = cache.k, cache.v
-        o_BTHD, k_buf, v_buf = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_buf, v_buf, None, lengths_B, mask_BTR,
-                                                attn_impl, slot)
-        return self.layer.attn_out_and_mlp(h_BTD, o_BTHD), KVCache((k_buf,), (v_buf,), lengths_B)
+        k_bufs, v_bufs = list(cache.k), list(cache.v)
+        o_BTHD, k_bufs[0], v_bufs[0] = cached_attention(q_BTHD, k_BTKD, v_BTKD, k_bufs[0], v_bufs[0], None, lengths_B,
+                                                        mask_BTR, attn_impl, slot)
+        h_BTD = self.layer.output(h_BTD, o_BTHD)
+        for i, layer in enumerate(self.extra_layers or ()):
+            h_BTD, k_bufs[i + 1], v_bufs[i + 1] = layer(h_BTD, k_bufs[i + 1], v_bufs[i + 1], None, lengths_B,
+                                                        positions_BT, mask_BTR, self.inv_freq(), attn_impl, slot)
+        return h_BTD, KVCache(tuple(k_bufs), tuple(v_bufs), lengths_B)
 
     def draft_logits(self, h_BTD: jax.Array) -> jax.Array:
         """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
         x_BTD = rms_norm(h_BTD, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.lm_head is None:  # the target's tied table, [V, H] as stored
+            return jnp.einsum("btd,vd->btv", x_BTD, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
@@ -188,9 +248,10 @@ def head_of(cfg: Eagle3Config, params: dict) -> Eagle3Head:
 
 
 def param_shapes(cfg: Eagle3Config) -> dict:
-    """Every parameter's shape except `embed` (usually the target's): what conversion checks against."""
+    """Every parameter's shape the checkpoint holds: not `embed` (usually the target's), nor a target's lm_head."""
     shapes = shapes_of(lambda: Eagle3Head(cfg, rngs=nnx.Rngs(0)))
-    return {k: v for k, v in shapes.items() if k != "embed"}
+    skip = ("embed",) if cfg.lm_head == "own" else ("embed", "lm_head")
+    return {k: v for k, v in shapes.items() if k not in skip}
 
 
 def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
@@ -201,19 +262,24 @@ def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
     used = jnp.sort(jax.random.permutation(rngs.params(), cfg.vocab_size)[: cfg.draft_vocab_size])
     head = Eagle3Head(cfg, rngs=rngs, scale=cfg.hidden_size ** -0.5, embed=embed,
                       d2t=used - jnp.arange(cfg.draft_vocab_size))
-    head.lm_head.value = normal(rngs, head.lm_head.shape, dtype, 1.0)
-    for norm in (head.final_norm, head.layer.embed_norm, head.layer.hidden_norm, head.layer.mlp_norm):
+    if head.lm_head is not None:
+        head.lm_head.value = normal(rngs, head.lm_head.shape, dtype, 1.0)
+    layers = [head.layer, *(head.extra_layers or ())]
+    norms = [head.final_norm, head.layer.embed_norm, head.layer.hidden_norm]
+    norms += [n for layer in layers for n in (layer.mlp_norm, layer.attn_norm, layer.q_norm, layer.k_norm)
+              if n is not None]
+    for norm in norms:
         norm.value = 1.0 + normal(rngs, norm.shape, dtype, 0.1)
     return to_params(head)
 
 
 def concat_features(features: Sequence[jax.Array]) -> jax.Array:
-    """[B, T, 3*Ht] from the three taps [B, T, Ht], in feature_layers order (the fc input)."""
+    """[B, T, n*Ht] from the n taps [B, T, Ht], in feature_layers order (the fc input)."""
     return jnp.concatenate(list(features), axis=-1)
 
 
 def init_head_cache(cfg: Eagle3Config, batch: int, max_len: int) -> KVCache:
-    """The head's own KV cache: one layer, a [B, S, Hkv, D] buffer, lengths 0."""
+    """The head's own KV cache: a [B, S, Hkv, D] buffer per layer, lengths 0."""
     return init_cache(cfg.layer_cfg, batch, max_len, per_layer=True)
 
 
@@ -248,7 +314,8 @@ class Eagle3Drafter:
             (over every provisional slot, chain or tree) before lengths advance by the number
             accepted; rows past the new length are never read.
     params: Eagle3Head's plain-dict form (module docstring), merged back into the head (`head_of`) at the top
-    of init / propose / update; `embed` must be present (the target's table, see `eagle3_drafter`).
+    of init / propose / update; `embed` must be present (the target's table, see `eagle3_drafter`), and so must
+    `lm_head` when cfg.lm_head is "target" (the target's matrix).
     """
 
     cfg: Eagle3Config

@@ -6,6 +6,7 @@ modules know their networks and the loop, never the checkpoint formats (convert/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 from specjax.convert.dflash import is_dflash_config, load_dflash
 from specjax.convert.dspark import is_dspark_config, load_dspark
 from specjax.convert.eagle3 import load_eagle3
+from specjax.convert.eagle3_layouts import is_eagle3_config
 from specjax.convert.mtp import check_stored, is_mtp_only, read_mtp_only_dir
 from specjax.decoding.drafter import Drafter
 from specjax.drafters import dflash as dflash_family
@@ -39,27 +41,28 @@ def drafter_family(path: str | Path) -> str:
 
     DFlash drafters (z-lab) say so by the DFlashDraftModel architecture or a `dflash_config`.
 
-    EAGLE-3 heads say so by an `eagle_config`, an architecture named *Eagle3 (SpecForge) or a
-    `draft_vocab_size` (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer).
+    EAGLE-3 heads in any producer's layout say so (convert/eagle3_layouts.py `is_eagle3_config`): an
+    `eagle_config` (SGLang, ModelOpt), an architecture named *Eagle3* (SpecForge, DeepSpec), a `draft_vocab_size`
+    (SafeAILab, whose architecture is plain LlamaForCausalLM with one layer) or a speculators config.
     An MTP-only directory (MTP tensors without their target, convert/mtp.py) by `specjax_mtp_only`.
     """
     config = Path(path) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
     hf = json.loads(config.read_text())
-    archs = hf.get("architectures") or []
     if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
         return "dspark"
     if is_dflash_config(hf):
         return "dflash"
-    if "eagle_config" in hf or "draft_vocab_size" in hf or any("eagle3" in a.lower() for a in archs):
+    if is_eagle3_config(hf):
         return "eagle3"
     if is_mtp_only(hf):
         return "mtp"
     return "draft_model"
 
 
-def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None) -> Drafter:
+def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None,
+                 rope_theta: float | None = None) -> Drafter:
     """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
     - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
@@ -67,8 +70,9 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
       mask token and tap layers are checked against the target.
     - A z-lab DFlash drafter becomes a `DFlashDrafter` reading the target's features and using its
       embedding and lm_head; hidden size, vocabulary, mask token and tap layers are checked.
-    - An EAGLE-3 head (SafeAILab or SpecForge format) becomes an `Eagle3Drafter` reading the
-      target's features; hidden size, vocabulary, d2t and tap layers are checked against the target.
+    - An EAGLE-3 head in any producer's layout (SafeAILab, SpecForge, speculators, ModelOpt, DeepSpec;
+      convert/eagle3_layouts.py) becomes an `Eagle3Drafter` reading the target's features; hidden size,
+      vocabulary, d2t and tap layers are checked against the target.
     - The target's own directory, when its checkpoint carries MTP layers (or `mtp=True`), gives
       the target's `MtpDrafter`; so does another directory of the same model (same config.json
       shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
@@ -76,14 +80,24 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
       scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`.
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
+
+    rope_theta overrides the RoPE base a head's own config gives (EAGLE-3, DFlash, DSpark): for a head trained
+    at another base than its config says, e.g. SpecForge's Qwen3 heads trained before its RoPE fix of 2025-10-30
+    (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers and draft
+    models have no head config of their own to override: refused there.
     """
     family = drafter_family(path)
+    if rope_theta is not None and family not in ("eagle3", "dflash", "dspark"):
+        what = "MTP layers run with the target's RoPE" if family == "mtp" else \
+            "a draft model is a whole model: correct the rope_theta in its own config.json"
+        raise ValueError(f"rope_theta= overrides the RoPE base of an EAGLE-3, DFlash or DSpark head's own config; "
+                         f"{path} is a {family} drafter ({what})")
     if family == "dspark":
-        return dspark_drafter(path, target, attn_impl=attn_impl)
+        return dspark_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "dflash":
-        return dflash_drafter(path, target, attn_impl=attn_impl)
+        return dflash_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "eagle3":
-        return eagle3_drafter(path, target, attn_impl=attn_impl)
+        return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "mtp":
         if mtp is False:
             raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
@@ -131,19 +145,31 @@ def _same_model(model, target) -> bool:
     return all(getattr(model.cfg, k) == getattr(target.cfg, k) for k in keep)
 
 
-def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> Eagle3Drafter:
-    """An Eagle3Drafter from a SafeAILab / SpecForge head directory, checked against `target`.
+def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
+                   rope_theta: float | None = None) -> Eagle3Drafter:
+    """An Eagle3Drafter from an EAGLE-3 head directory (any producer's layout), checked against `target`.
 
-    Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy).
+    Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy); a head
+    without an lm_head of its own (ModelOpt) scores with the target's lm_head (or its tied embedding).
     """
 
-    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype)
+    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta)
     params = jax.tree.map(jnp.asarray, host)
     params.setdefault("embed", target.params["embed"])
+    if cfg.lm_head == "target":
+        params["lm_head"] = target.params["lm_head"]
     return Eagle3Drafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
 
 
-def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DFlashDrafter:
+def _with_theta(layers, rope_theta: float | None):
+    """A block drafter's layer config with its RoPE base overridden (load_drafter's rope_theta)."""
+    if rope_theta is None:
+        return layers
+    return dataclasses.replace(layers, rope=dataclasses.replace(layers.rope, theta=float(rope_theta)))
+
+
+def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
+                   rope_theta: float | None = None) -> DFlashDrafter:
     """A DFlashDrafter from a z-lab DFlash checkpoint directory, checked against `target`.
 
     The drafter uses the target's embed and lm_head (the same arrays, not copies) and the
@@ -151,12 +177,14 @@ def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     """
 
     cfg, host = load_dflash(path, target.cfg, dtype or target.cfg.dtype)
+    cfg = dataclasses.replace(cfg, layers=_with_theta(cfg.layers, rope_theta))
     block = jax.tree.map(jnp.asarray, host)
     params = dflash_family.drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
     return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
 
 
-def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None) -> DSparkDrafter:
+def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
+                   rope_theta: float | None = None) -> DSparkDrafter:
     """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
 
     DSpark carries its own embedding and lm_head (frozen copies of the target's). A
@@ -167,6 +195,8 @@ def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     embed = np.asarray(target.params["embed"])
     lm_head = np.asarray(target.params["lm_head"]) if "lm_head" in target.params else embed.T
     cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
+    cfg = dataclasses.replace(cfg, block=dataclasses.replace(cfg.block, layers=_with_theta(cfg.block.layers,
+                                                                                           rope_theta)))
     params = dspark_family.drafter_params(jax.tree.map(jnp.asarray, block), jax.tree.map(jnp.asarray, heads),
                             has_layer_list(target.params))
     return DSparkDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)

@@ -144,7 +144,10 @@ class DecoderLayer(PreNormMLP, nnx.Module):
         v_BTKD = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q_BTHD, k_BTKD = self.norm(q_BTHD, self.q_norm), self.norm(k_BTKD, self.k_norm)
-        return apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq), v_BTKD
+        q_BTHD, k_BTKD = apply_rope(q_BTHD, positions_BT, inv_freq), apply_rope(k_BTKD, positions_BT, inv_freq)
+        if cfg.rope.attention_factor != 1.0:  # YaRN's magnitude scaling of the rotated q and k
+            q_BTHD, k_BTKD = q_BTHD * cfg.rope.attention_factor, k_BTKD * cfg.rope.attention_factor
+        return q_BTHD, k_BTKD, v_BTKD
 
     def attn_out_and_mlp(self, h_BTD: jax.Array, o_BTHD: jax.Array) -> jax.Array:
         """The rest of the layer after attention: output projection, residual, pre-norm SwiGLU MLP, residual."""

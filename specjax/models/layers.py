@@ -53,10 +53,12 @@ def swiglu(x_BTD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
-    """Inverse frequencies [head_dim/2], with `linear` or `llama3` scaling applied."""
+    """Inverse frequencies [head_dim/2], with `linear`, `llama3` or `yarn` scaling applied."""
     inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if rope.rope_type == "linear":
         return inv / rope.factor
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, head_dim, inv)
     if rope.rope_type == "llama3":
         old_len = rope.original_max_position_embeddings
         low_wavelen = old_len / rope.low_freq_factor
@@ -68,6 +70,25 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return jnp.where(medium, smoothed, scaled)
     return inv
+
+
+def yarn_inv_freq(rope: RopeConfig, head_dim: int, inv: jax.Array) -> jax.Array:
+    """YaRN's frequencies: extrapolated (unchanged) for dims rotating more than beta_fast times over the original
+    context, interpolated (/ factor) below beta_slow rotations, a linear ramp between (transformers'
+    `_compute_yarn_parameters`, vLLM's YaRNScalingRotaryEmbedding)."""
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / \
+            (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolated = 1.0 - ramp
+    return inv / rope.factor * (1.0 - extrapolated) + inv * extrapolated
 
 
 def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ divides each step's summed loss by B x S; here by the number of counted rows of 
 so the reported numbers are nats per token (a constant rescale for AdamW).
 
 The loss trains `drafters.eagle3.Eagle3Head`: merged from the trainable params and the frozen
-tables, it runs the methods serving runs (`fuse`, `qkv`, its layer's `attn_out_and_mlp`,
+tables, it runs the methods serving runs (`fuse`, `qkv`, its layer's `output`,
 `draft_logits`); only attention differs (the TTT attention here, the KV cache there).
 """
 
@@ -154,7 +154,7 @@ def unroll(head: Eagle3Head, features_BTF: jax.Array, next_ids_BT: jax.Array, st
         q_BTHD, k_BTKD, v_BTKD = head.qkv(shift_left(next_ids_BT, j), h_BTD, positions_BT + j)
         k_steps.append(k_BTKD)
         v_steps.append(v_BTKD)
-        h_BTD = head.layer.attn_out_and_mlp(h_BTD, ttt_attention(q_BTHD, k_steps, v_steps))
+        h_BTD = head.layer.output(h_BTD, ttt_attention(q_BTHD, k_steps, v_steps))
         logits.append(head.draft_logits(h_BTD))
     return logits
 
@@ -182,6 +182,10 @@ def eagle3_loss(cfg: Eagle3Config, target_cfg: ModelConfig, steps: int = TTT_STE
     Metrics: loss_j and acc_j (head top-1 == target top-1 over the draft vocabulary) per step,
     and tokens (rows counted at step 0).
     """
+
+    if cfg.num_layers != 1 or cfg.lm_head != "own":
+        raise ValueError(f"the training-time test trains one-layer heads with their own lm_head; this head has "
+                         f"{cfg.num_layers} layers and lm_head={cfg.lm_head!r}")
 
     def loss_fn(params: dict, batch: dict, frozen: dict):
         tokens_BS = batch["tokens"]
