@@ -346,12 +346,17 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
     if texts is None and not req.chunked:
         result, compile_s, run_s = run_compiled(target, (*key, "whole"), whole, args, static)
         return result, compile_s, run_s, None
-    start_x, c1 = compiled_for(target, (*key, "start"), start, args, static)
-    probe = jax.eval_shape(lambda *a: start(*a, **static), *args)
-    advance_x, c2 = compiled_for(target, (*key, "advance"), advance, advance_args(probe, jnp.int32(0)), static)
+    full_key = (*key, "chunks", params_signature(args))
+    compile_s = 0.0
+    if full_key not in target.compiled:  # the state's shapes (for advance) come from tracing start: once per key
+        start_x, c1 = compiled_for(target, (*key, "start"), start, args, static)
+        probe = jax.eval_shape(lambda *a: start(*a, **static), *args)
+        advance_x, c2 = compiled_for(target, (*key, "advance"), advance, advance_args(probe, jnp.int32(0)), static)
+        target.compiled[full_key], compile_s = (start_x, advance_x), c1 + c2
+    start_x, advance_x = target.compiled[full_key]
     run = ChunkedRun(lambda: start_x(*args), lambda state, until: advance_x(*advance_args(state, until)),
                      host_reader, first_step, req.lc.out_len, texts or row_texts(target, req), req.stop_ids)
-    return None, c1 + c2, 0.0, run
+    return None, compile_s, 0.0, run
 
 
 @dataclasses.dataclass
