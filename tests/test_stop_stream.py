@@ -171,3 +171,14 @@ def test_cli_streams_and_stops(target, plain, capsys):
     assert capsys.readouterr().out == before + "\n--- 0: finished (stop)\n"
     assert main(args) == 0
     assert f"--- 0 (stop): {before}\n" in capsys.readouterr().out
+
+
+def test_stream_with_the_prefix_scheduler_equals_generate(target):
+    """The scheduler's compiled widths and cost curve ride along into the chunked loop."""
+    d = drafter(target, "dspark")
+    kw = dict(max_new_tokens=NEW, drafter=d, num_draft_tokens=4, scheduler="confidence", stop=["\n\n"])
+    out = specjax.generate(target, PROMPTS, **kw)
+    chunks = list(specjax.stream(target, PROMPTS, **kw))
+    for i in range(len(PROMPTS)):
+        assert sum((c.token_ids for c in chunks if c.index == i), []) == out.tokens[i]
+    assert out.stats["scheduler"]["mode"] == "confidence"

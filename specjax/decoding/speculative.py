@@ -227,10 +227,13 @@ def spec_generate(params: dict, draft_params, prompt_BT: jax.Array, prompt_len_B
                                      jnp.int32(lc.out_len)))
 
 
-@partial(jax.jit, static_argnames=("lc", "drafter"))
-def spec_start_jit(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, rows: RowSettings, *,
-                   lc: LoopConfig, drafter: Drafter) -> SpecState:
-    """The chunked loop's first call (spec_start); the state, caches included, comes back."""
+@partial(jax.jit, static_argnames=("lc", "drafter", "sched"))
+def spec_start_jit(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, rows: RowSettings,
+                   seconds_T: jax.Array | None = None, *, lc: LoopConfig, drafter: Drafter,
+                   sched: Scheduler | None = None) -> SpecState:
+    """The chunked loop's first call (spec_start); the state, caches included, comes back. It takes spec_generate's
+    arguments (the scheduler's are used by spec_advance_jit only)."""
+    del seconds_T, sched
     return spec_start(merge(lc.model, params), lc, rows, drafter, draft_params, prompt_BT, prompt_len_B, max_new_B,
                       seeds_B, fold_B)
 
