@@ -15,6 +15,8 @@ import dataclasses
 import numbers
 from typing import Any, Tuple, Union
 
+import numpy as np
+
 # architectures entry -> family flags. All are the dense pre-norm decoder with GQA,
 # SwiGLU MLP and rotate-half RoPE; they differ only in the flags below.
 _ARCHITECTURES = {
@@ -414,6 +416,11 @@ def per_row(value, n_rows: int, name: str) -> tuple:
                              "a single value for all")
         return tuple(value)
     return (value,) * n_rows
+
+
+def row_column(config, name: str, n_rows: int, batch: int, dtype, pad) -> np.ndarray:
+    """One setting of `config` as a host array [batch]: its per-prompt values, then `pad` for the padding rows."""
+    return np.asarray(list(per_row(getattr(config, name), n_rows, name)) + [pad] * (batch - n_rows), dtype)
 
 
 def _is_number(x) -> bool:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import PenaltyConfig, per_row
+from specjax.config import PenaltyConfig, row_column
 
 
 @jax.tree_util.register_dataclass
@@ -36,7 +36,7 @@ class RowPenalties:
     def of(cls, penalties: PenaltyConfig, n_rows: int, batch: int) -> "RowPenalties":
         """Host arrays for `batch` rows whose first n_rows are prompts (padding rows unpenalised)."""
         def column(name, dtype, pad):
-            return np.asarray(list(per_row(getattr(penalties, name), n_rows, name)) + [pad] * (batch - n_rows), dtype)
+            return row_column(penalties, name, n_rows, batch, dtype, pad)
 
         return cls(column("repetition_penalty", np.float32, 1.0), column("presence_penalty", np.float32, 0.0),
                    column("frequency_penalty", np.float32, 0.0), column("min_tokens", np.int32, 0))

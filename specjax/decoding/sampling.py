@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.config import SamplingConfig, per_row
+from specjax.config import SamplingConfig, row_column
 
 # Top-k and top-p are decided among this many largest logits (one lax.top_k) whenever they hold the top_p mass
 # and the k-th largest; otherwise by bisection over the whole vocabulary. Neither sorts it.
@@ -37,8 +37,7 @@ class RowSampling:
     def of(cls, sampling: SamplingConfig, n_rows: int, batch: int) -> "RowSampling":
         """Host arrays for a batch of `batch` rows whose first n_rows are prompts (padding rows greedy)."""
         def column(name, dtype, pad):
-            values = per_row(getattr(sampling, name), n_rows, name)
-            return np.asarray(list(values) + [pad] * (batch - n_rows), dtype)
+            return row_column(sampling, name, n_rows, batch, dtype, pad)
 
         return cls(column("temperature", np.float32, 0.0), column("top_k", np.int32, 0),
                    column("top_p", np.float32, 1.0), column("min_p", np.float32, 0.0))
