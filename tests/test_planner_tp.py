@@ -1,0 +1,136 @@
+"""Planning with tensor parallelism: the split by the sharding rules, the roofline's per-device terms and its
+collectives (numbers checked by hand), the CLI's flags, and the memory plan. Pure Python: no model is run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax.config import ModelConfig
+from specjax.planning.presets import LLAMA3_8B, LLAMA33_70B, QWEN35_27B, QWEN35_122B_A10B
+from specjax.planning.profile import DEVICES, QWEN3_30B_A3B, Roofline, cost_model
+from specjax.planning.tensor_parallel import replicated, split_model
+
+H100 = DEVICES["h100"]
+
+
+def config(hf) -> ModelConfig:
+    return ModelConfig.from_hf(hf)
+
+
+# ---------------------------------------------------------------- the split
+
+
+def test_the_split_follows_the_sharding_rules():
+    llama = config(LLAMA33_70B)
+    tp = split_model(llama, 8)
+    assert (tp.heads, tp.kv_heads, tp.mlp, tp.vocab) == (8, 8, 8, 8) and replicated(llama, tp) == []
+    qwen = config(QWEN35_122B_A10B)  # 2 kv heads on 8 devices: whole on every device; 256 experts: 32 a device
+    tp = split_model(qwen, 8)
+    assert (tp.heads, tp.kv_heads, tp.v_heads, tp.conv, tp.experts, tp.shared) == (8, 1, 8, 8, 8, 8)
+    assert tp.expert_layout == "expert parallel"
+    assert replicated(qwen, tp) == ["kv heads (2, not divisible by 8): k, v and the KV cache whole on every device"]
+    for hf in (LLAMA3_8B, LLAMA33_70B, QWEN35_27B, QWEN35_122B_A10B, QWEN3_30B_A3B):
+        cfg = config(hf)  # one device of one holds the model: the sharded count is the plain one
+        assert cfg.num_params(shards=split_model(cfg, 1).shards) == cfg.num_params()
+
+
+def test_a_degree_that_does_not_divide_the_heads_says_what_would_be_replicated():
+    with pytest.raises(ValueError, match=r"does not divide the 64 attention heads: the sharding rules would "
+                                         r"replicate q, k, v and o .* 1, 2, 4, 8, 16, 32, 64"):
+        split_model(config(LLAMA33_70B), 3)
+    with pytest.raises(ValueError, match="a positive number of devices"):
+        split_model(config(LLAMA33_70B), 0)
+
+
+def test_tensor_parallelism_needs_a_link_and_one_nvlink_domain():
+    cfg = config(LLAMA3_8B)
+    with pytest.raises(ValueError, match="needs a device link to price: .* has none in DEVICES; use --device h100 or h200"):
+        Roofline.for_config(cfg, DEVICES["cpu"], 0, 2)
+    with pytest.raises(ValueError, match="spans more than one NVLink domain .* use 8 or fewer"):
+        Roofline.for_config(cfg, H100, 0, 16)
+
+
+# ---------------------------------------------------------------- the roofline
+
+
+def test_llama3_8b_at_tp8_on_h100_by_hand():
+    """Meta-Llama-3-8B (32 layers, hidden 4096, 32 heads, 8 kv heads of 128, MLP 14336, vocab 128256, untied,
+    bf16) split over 8 H100s. Everything divides by 8, so one device holds:
+      per layer q + o 2 x 4096 x 4096 / 8 = 4,194,304, k + v 2 x 4096 x 1024 / 8 = 1,048,576,
+      MLP 3 x 4096 x 14336 / 8 = 22,020,096, two norms 8,192: 27,271,168; x 32 = 872,677,376;
+      embedding and lm_head 2 x 128256 x 4096 / 8 = 131,334,144; final norm 4,096: 1,004,015,616 params,
+      2,008,031,232 bytes: 0.5994 ms at 3.35 TB/s.
+    Compute 2 x 1.004e9 / 989e12 = 2.0304 us a token: the knee stays at 0.5994 ms / 2.0304 us = 295 tokens,
+    as on one device (both sides fall by 8; a dense knee is peak x 2 bytes / (2 x bandwidth) whatever the size).
+    Collectives: 2 all-reduces a layer (after o_proj, after down_proj) + 1 after the vocabulary-split embedding
+    = 65 of [T, 4096] bf16 (8192 T bytes), each 15.5 us + 2 x 7/8 x 8192 T / 450e9 = 15.5 + 0.031858 T us,
+    and the greedy lm_head's argmax all-reduce, 15.5 us + 1.75 x 8 T / 450e9.
+    T = 1: 66 x 15.5 + 65 x 0.031858 = 1025.1 us; the pass 0.5994 + 1.0251 = 1.6245 ms, 63% all-reduce.
+    T = 256 (8 rows x 32 nodes, below the knee): weights still bound (256 x 2.0304 = 519.8 us < 599.4), but the
+    all-reduces move 256 x as many bytes: 1023 + 65 x 0.031858 x 256 = 1553.1 us; the pass 2.1525 ms: tokens
+    below the knee are no longer free (on one device both passes cost 4.794 ms)."""
+    one = Roofline.for_config(config(LLAMA3_8B), H100, 0, 1)
+    tp8 = Roofline.for_config(config(LLAMA3_8B), H100, 0, 8)
+    assert tp8.params == 1_004_015_616 and tp8.weight_bytes == 2_008_031_232
+    assert tp8.weights_s(1) == pytest.approx(0.5994e-3, abs=1e-7)
+    assert tp8.knee == pytest.approx(one.knee) == pytest.approx(295.2, abs=0.1)
+    assert tp8.allreduces == 65 and tp8.activation_bytes == 8192 and tp8.logits_bytes == 8
+    assert tp8.collective_s(1) == pytest.approx(1025.1e-6, abs=0.1e-6)
+    assert tp8.verify_s(1, 1) == pytest.approx(1.6245e-3, abs=1e-7)
+    assert tp8.collective_s(1) / tp8.verify_s(1, 1) == pytest.approx(0.63, abs=0.01)
+    assert tp8.collective_s(256) == pytest.approx(1553.1e-6, abs=0.1e-6)
+    assert tp8.verify_s(8, 32) == pytest.approx(2.1525e-3, abs=1e-7)
+    assert one.verify_s(8, 32) == one.verify_s(1, 1) == pytest.approx(4.794e-3, abs=1e-6)
+    assert one.collective_s(256) == 0.0
+
+
+def test_a_sampled_verify_gathers_the_logits():
+    """Sampling reads whole rows of logits: the split lm_head's fp32 logits are all-gathered, 4 x 128256 bytes a
+    token: at T = 64, 15.5 us + 7/8 x 64 x 513,024 / 450e9 = 79.3 us in place of the argmax's 15.5."""
+    greedy = Roofline.for_config(config(LLAMA3_8B), H100, 0, 8)
+    sampled = Roofline.for_config(config(LLAMA3_8B), H100, 0, 8, sampled=True)
+    assert sampled.gather_logits and sampled.logits_bytes == 4 * 128256
+    gathered = sampled.collective_s(64) - greedy.collective_s(64) + H100.allreduce_s(8, 64 * 8)
+    assert gathered == pytest.approx(15.5e-6 + 7 / 8 * 64 * 513024 / 450e9)
+    assert gathered == pytest.approx(79.3e-6, abs=0.1e-6)
+
+
+def test_an_moe_reads_its_experts_per_device_and_its_knee_moves():
+    """Qwen3-30B-A3B at TP 8: 128 experts, 16 a device (expert parallelism), so a pass reads D(T) / 8 experts'
+    bytes per device; its 4 kv heads do not divide by 8 and stay whole, a larger share of the 3.3B active
+    params than of the weights a pass reads, so compute per device falls less than the bytes: the knee moves
+    from ~2690 tokens to ~2230."""
+    cfg = config(QWEN3_30B_A3B)
+    one, tp8 = Roofline.for_config(cfg, H100, 0, 1), Roofline.for_config(cfg, H100, 0, 8)
+    assert tp8.expert_bytes == pytest.approx(one.expert_bytes / 8)
+    assert tp8.experts_read(64) == one.experts_read(64)  # model-wide distinct experts; the bytes are per device
+    assert one.knee == pytest.approx(2688, abs=5) and tp8.knee == pytest.approx(2230, abs=5)
+    assert tp8.allreduces == 2 * 48 + 1  # the MoE layer's all-reduce sums the experts' shares, as a dense MLP's
+
+
+def test_the_hybrid_state_splits_by_value_heads():
+    """Qwen3.5-27B at TP 2: 48 DeltaNet layers of 48 value heads of 128 x 128 (fp32), 24 a device:
+    48 x 24 x 128 x 128 x 4 = 75,497,472 bytes of state a row; KV 16 layers x 2 x 2 kv heads x 256 x 2 bytes."""
+    tp2 = Roofline.for_config(config(QWEN35_27B), H100, 4096, 2)
+    assert tp2.state_bytes_per_row == 75_497_472
+    assert tp2.kv_bytes_per_position == 16 * 2 * 2 * 256 * 2
+    assert tp2.allreduces == 2 * 64 + 1
+
+
+def test_the_allreduce_formula_against_the_measured_nccl_tests():
+    """The ring formula against nccl-tests' all_reduce_perf on 8 H100 SXM (NVIDIA aiconfigurator's table, the
+    DeviceSpec's source): 16 KB 16.6 us, 512 MiB 2112 us measured; within 10% there. At 1 MiB NCCL measured
+    38.6 us where the formula gives 19.6: the model is low between 1 and 16 MiB (stated in DeviceSpec)."""
+    assert H100.allreduce_s(8, 16384) == pytest.approx(16.6e-6, rel=0.1)
+    assert H100.allreduce_s(8, 2**29) == pytest.approx(2112e-6, rel=0.1)
+    assert H100.allreduce_s(8, 2**20) == pytest.approx(19.6e-6, abs=0.1e-6)
+    assert H100.latency(1) == 0.0 and H100.latency(2) == 6.2e-6 and H100.latency(3) == pytest.approx(7.85e-6)
+
+
+def test_a_profile_json_refuses_tensor_parallelism(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"profiles": {}}))
+    with pytest.raises(ValueError, match="a profile JSON holds times measured where it ran"):
+        cost_model(str(path), config(LLAMA3_8B), None, 0, 0.05, tensor_parallel=8)
