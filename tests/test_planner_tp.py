@@ -134,3 +134,149 @@ def test_a_profile_json_refuses_tensor_parallelism(tmp_path):
     path.write_text(json.dumps({"profiles": {}}))
     with pytest.raises(ValueError, match="a profile JSON holds times measured where it ran"):
         cost_model(str(path), config(LLAMA3_8B), None, 0, 0.05, tensor_parallel=8)
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_plan_cli_prices_a_sharded_target_and_reports_its_allreduces(capsys, tmp_path):
+    from specjax.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model-only", "--tensor-parallel", "8", "--concurrency", "1,128", "--max-nodes", "64",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tensor parallel 8 (per device; 65 all-reduces" in text  # the cost line
+    assert "tensor parallel 8: each best shape's verify pass, and its all-reduces" in text
+    saved = json.loads(out.read_text())
+    assert saved["tensor_parallel"] == 8
+    row = saved["collectives"][0]
+    assert row["batch"] == 1 and row["tokens"] == saved["choices"][0]["best"]["nodes"]
+    assert 0.5 < row["allreduce_share"] < 0.8 and row["collective_s"] < row["verify_s"]
+    assert main(["plan", "--model-only", "--concurrency", "1", "--max-nodes", "16", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["tensor_parallel"] == 1 and "collectives" not in saved
+
+
+def test_plan_cli_moe_at_tensor_parallel_reports_both_models(capsys, tmp_path):
+    from specjax.cli import main
+
+    out = tmp_path / "moe.json"
+    assert main(["plan", "--model-only", "--moe", "--tensor-parallel", "8", "--concurrency", "1,32",
+                 "--max-nodes", "32", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved["collectives"]) == {"dense", "moe"} and saved["tensor_parallel"] == 8
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model-only", "--tensor-parallel", "3"], "does not divide the 32 attention heads"),
+    (["--model-only", "--tensor-parallel", "2", "--device", "cpu"], "use --device h100 or h200"),
+    (["--model-only", "--tensor-parallel", "16"], "spans more than one NVLink domain"),
+    (["--drafter", "ngram", "--tensor-parallel", "8"], "add --device h100 or --device h200"),
+    (["--memory", "--tensor-parallel", "4"], "drop --tensor-parallel, or pass --target"),
+    (["--memory", "--device", "cpu"], "has no memory size in DEVICES"),
+])
+def test_plan_cli_tensor_parallel_errors_say_what_would_be_right(capsys, argv, says):
+    from specjax.cli import main
+
+    assert main(["plan", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the memory plan
+
+
+def test_memory_plan_llama33_70b_at_tp8_on_h100_by_hand():
+    """Llama-3.3-70B (80 layers, hidden 8192, 64 heads, 8 kv heads of 128, MLP 28672, vocab 128256, untied, bf16)
+    on 8 H100s: 70,553,706,496 params, every part divisible by 8. One device:
+      per layer q + o 2 x 8192 x 8192 / 8 = 16,777,216, k + v 2 x 8192 x 1024 / 8 = 2,097,152,
+      MLP 3 x 8192 x 28672 / 8 = 88,080,384, norms 16,384: 106,971,136; x 80 = 8,557,690,880;
+      embedding + lm_head 2 x 128256 x 8192 / 8 = 262,668,288; final norm 8,192: 8,820,367,360 params,
+      17,640,734,720 bytes (16.43 GiB): an eighth of the model but its 1,318,912 norm weights, whole on each.
+    KV: 80 layers x K and V x 1 kv head x 128 x 2 bytes = 40,960 bytes a token (40 KiB; 40.96 MB per 1k tokens).
+    32 rows x 8192 tokens: 10,737,418,240 bytes (10 GiB).
+    The typical EAGLE-3 head, whole on each device: fc 3 x 8192 x 8192 = 201,326,592; q 16384 x 8192 =
+    134,217,728; k, v 2 x 16384 x 1024 = 33,554,432; o 67,108,864; MLP 704,643,072; three norms + final norm
+    32,768; lm_head 8192 x 32000 = 262,144,000: 1,403,027,456 params = 2,806,054,912 bytes, + d2t 32000 x 4;
+    its KV 2 x 8 x 128 x 2 = 4,096 bytes a token, 1,073,741,824 for the batch.
+    Free: 81559 MiB = 85,520,809,984 - 17,640,734,720 - 10,737,418,240 - 2,806,182,912 - 1,073,741,824
+    = 53,262,732,288 bytes (49.60 GiB)."""
+    from specjax.planning.memory import memory_plan
+
+    cfg = config(LLAMA33_70B)
+    assert cfg.num_params() == 70_553_706_496
+    plan = memory_plan(cfg, "Llama-3.3-70B", H100, 8, 32, 8192)
+    assert plan.weight_bytes == 17_640_734_720 == 2 * ((cfg.num_params() - 1_318_912) / 8 + 1_318_912)
+    assert plan.kv_bytes_per_token == 40_960 and plan.state_bytes_per_row == 0
+    assert plan.cache_bytes == 10_737_418_240
+    assert plan.draft.weight_bytes == 2_806_054_912 + 4 * 32000 and plan.draft.kv_bytes_per_token == 4096
+    assert plan.capacity == 85_520_809_984
+    assert plan.free_bytes == 53_262_732_288
+    assert plan.max_batch == int((85_520_809_984 - 17_640_734_720 - 2_806_182_912) // (8192 * (40_960 + 4096)))
+    assert plan.replicated == ()
+
+
+def test_memory_plan_qwen35_hybrids_by_hand():
+    """Qwen3.5-27B at TP 2: 48 DeltaNet layers, each a row's fp32 state of 24 of the 48 value heads
+    (24 x 128 x 128 x 4 = 1,572,864) and the conv window of half the 10240 channels (3 x 5120 x 2 = 30,720):
+    76,972,032 bytes a row; KV 16 layers x 2 x 2 kv heads x 256 x 2 = 32,768 a token.
+    Qwen3.5-122B-A10B at TP 8: its 2 kv heads stay whole: 12 x 2 x 2 x 256 x 2 = 24,576 bytes a token; 36 DeltaNet
+    layers of 8 value heads and 1536 channels: 36 x (524,288 + 9,216) = 19,206,144 a row; the MTP layer's 256
+    experts split 32 a device."""
+    from specjax.planning.memory import memory_plan
+
+    dense = memory_plan(config(QWEN35_27B), "Qwen3.5-27B", H100, 2, 1, 0, mtp_layers=1)
+    assert dense.state_bytes_per_row == 76_972_032 and dense.kv_bytes_per_token == 32_768
+    assert dense.weight_bytes == pytest.approx(config(QWEN35_27B).num_params(), rel=1e-4)  # bf16, halved (+ norms)
+    moe = memory_plan(config(QWEN35_122B_A10B), "Qwen3.5-122B-A10B", DEVICES["h200"], 8, 1, 0, mtp_layers=1)
+    assert moe.kv_bytes_per_token == 24_576 and moe.state_bytes_per_row == 19_206_144
+    assert moe.replicated == ("kv heads (2, not divisible by 8): k, v and the KV cache whole on every device",)
+    assert moe.draft.what.startswith("1 MTP layer") and moe.draft.kv_bytes_per_token == 2 * 2 * 256 * 2
+
+
+def test_the_mtp_draft_matches_the_mtp_layers_own_shapes():
+    """At TP 1 the MTP draft's bytes are the MTP layer's parameters as drafters/mtp.py builds them."""
+    import math
+
+    import jax
+
+    from specjax.drafters.mtp import layer_shapes
+    from specjax.planning.memory import mtp_draft
+    from specjax.planning.tensor_parallel import TensorParallel
+
+    for hf in (QWEN35_27B, QWEN35_122B_A10B):
+        cfg = config(hf)
+        shapes = layer_shapes(cfg, sparse=cfg.moe is not None)
+        count = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+        assert mtp_draft(cfg, TensorParallel(1), 1).weight_bytes == 2 * count
+
+
+def test_plan_cli_memory_prints_the_table_and_writes_json(capsys, tmp_path):
+    from specjax.cli import main
+
+    out = tmp_path / "memory.json"
+    assert main(["plan", "--memory", "--batch", "32", "--context", "8192", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| Llama-3.3-70B | NVIDIA H100 SXM (79.6 GiB) | 8 | 16.43 | 40 | 39.1 | 0.0 |" in text
+    assert "replicated: Qwen3.5-122B-A10B at TP 8: kv heads (2, not divisible by 8)" in text
+    rows = json.loads(out.read_text())["memory"]
+    assert [(r["model"], r["tensor_parallel"]) for r in rows][::2] == [("Llama-3.3-70B", 8), ("Qwen3.5-27B", 2),
+                                                                      ("Qwen3.5-122B-A10B", 8)]
+    assert rows[0]["free_bytes"] == 53_262_732_288
+
+
+def test_plan_cli_memory_of_a_checkpoint_with_its_drafter(capsys, tmp_path):
+    """--target's config.json at --tensor-parallel; --drafter's checkpoint priced by its safetensors headers."""
+    from specjax.cli import main
+    from specjax.convert.hf_files import safetensors_files
+    from specjax.loading.embedded import EMBEDDED_DIR
+    from specjax.planning.memory import checkpoint_draft
+
+    draft_dir = EMBEDDED_DIR / "eagle3"
+    out = tmp_path / "m.json"
+    assert main(["plan", "--memory", "--target", str(EMBEDDED_DIR / "target" / "config.json"), "--device", "h100",
+                 "--tensor-parallel", "2", "--drafter", str(draft_dir), "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["memory"][0]
+    assert row["tensor_parallel"] == 2 and row["draft"]["what"].startswith("drafter eagle3")
+    stored = sum(f.stat().st_size for f in safetensors_files(draft_dir))
+    assert 0.9 * stored < checkpoint_draft(draft_dir).weight_bytes < stored  # the tensors, less the headers
