@@ -280,3 +280,23 @@ def test_plan_cli_memory_of_a_checkpoint_with_its_drafter(capsys, tmp_path):
     assert row["tensor_parallel"] == 2 and row["draft"]["what"].startswith("drafter eagle3")
     stored = sum(f.stat().st_size for f in safetensors_files(draft_dir))
     assert 0.9 * stored < checkpoint_draft(draft_dir).weight_bytes < stored  # the tensors, less the headers
+
+
+def test_the_allreduce_benchmark_runs_on_two_host_devices(tmp_path):
+    """scripts/bench_allreduce.py (gpu_checks.sh tp) end to end on two CPU devices: a psum per size, the JSON."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "allreduce.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, str(root / "scripts" / "bench_allreduce.py"), "--hidden", "64",
+                             "--tokens", "1,8", "--repeats", "1", "--inner", "2", "--out", str(out)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["devices"], r["tokens"], r["bytes"]) for r in rows] == [(2, 1, 128), (2, 8, 1024)]
+    assert all(r["measured_s"] > 0 and r["model_s"] is None for r in rows)  # the CPU has no link to model
