@@ -137,7 +137,7 @@ def eagle3_draft(cfg: ModelConfig) -> Draft:
     shapes = param_shapes(head)
     d2t = math.prod(shapes.pop("d2t"))  # the draft -> target id map, int32
     count = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
-    return Draft(f"EAGLE-3 head (typical: one layer, draft vocabulary {EAGLE3_DRAFT_VOCAB}, replicated)",
+    return Draft("EAGLE-3 head (typical)",
                  count * DTYPE_BYTES[str(cfg.dtype)] + 4 * d2t, kv_bytes_per_token(cfg, TensorParallel(1), 1))
 
 
