@@ -166,6 +166,9 @@ def test_plan_cli_moe_at_tensor_parallel_reports_both_models(capsys, tmp_path):
                  "--max-nodes", "32", "--json", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert set(saved["collectives"]) == {"dense", "moe"} and saved["tensor_parallel"] == 8
+    text = capsys.readouterr().out  # what stays whole is said with the cost
+    assert "replicated: kv heads (4, not divisible by 8): k, v and the KV cache whole on every device" in text
+    assert "Qwen3-30B-A3B (30.5B, 3.35B active)" in text
 
 
 @pytest.mark.parametrize("argv, says", [

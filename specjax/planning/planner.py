@@ -474,10 +474,10 @@ def published_moe_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h
     moe = Roofline.for_config(cfg, device_spec(device), 0, tensor_parallel, sampled)
     dense = dataclasses.replace(moe, weight_bytes=2 * moe.params, expert_bytes=0.0, experts=None, routing=())
     what = f"drafter right w.p. {alpha:g}, draft {cost:g} x target step per level"
+    active = format_count(cfg.num_params(active=True))
     cms = [r.cost(relative_draft(r.verify_s, cost), f"{name}, {what}")
-           for r, name in ((dense, f"dense {format_count(moe.params)} bf16"),
-                           (moe, f"Qwen3-30B-A3B ({format_count(cfg.num_params())}, "
-                                 f"{format_count(moe.params)} active)"))]
+           for r, name in ((dense, f"dense {active} bf16"),
+                           (moe, f"Qwen3-30B-A3B ({format_count(cfg.num_params())}, {active} active)"))]
     return geometric_acceptance(alpha), cms[0], cms[1]
 
 

@@ -43,7 +43,7 @@ from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
 from specjax.models.target import format_count
-from specjax.planning.tensor_parallel import TensorParallel, split_model
+from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +170,7 @@ class Roofline:
     activation_bytes: float = 0.0  # one token's hidden activation (model dtype)
     logits_bytes: float = 0.0  # per token, what the vocabulary-split lm_head exchanges (0: the vocabulary is whole)
     gather_logits: bool = False  # True: the fp32 logits all-gathered; False: each device's argmax all-reduced
+    replicated: tuple[str, ...] = ()  # what stays whole on every device (tensor_parallel.replicated)
 
     @classmethod
     def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0, tensor_parallel: int = 1,
@@ -189,7 +190,8 @@ class Roofline:
             len(cfg.moe.sparse_layers) * cfg.moe.expert_params(cfg.hidden_size) / tp.experts
         shared = cfg.num_params(shards=shards) - (0 if cfg.moe is None else one_expert * cfg.moe.num_experts)
         return cls(dataclasses.replace(device, peak_flops=peak), params, shared * width, kv, cache_len, state, node,
-                   flops, one_expert * width, cfg.moe, (), tp.n, *collectives(cfg, tp, sampled))
+                   flops, one_expert * width, cfg.moe, (), tp.n, *collectives(cfg, tp, sampled),
+                   replicated=tuple(replicated(cfg, tp)))
 
     def with_routing(self, routing: Sequence[tuple[int, float]]) -> "Roofline":
         """This roofline with a measured routing curve (tokens per pass -> distinct experts per sparse layer)."""
@@ -250,7 +252,8 @@ class Roofline:
             f"activation, {self.activation_bytes:.0f} bytes a token, per pass + the lm_head's "
             f"{'logits all-gather' if self.gather_logits else 'argmax all-reduce' if self.logits_bytes else 'none'}, "
             f"{self.device.link_bandwidth / 1e9:.0f} GB/s a direction, "
-            f"{self.device.latency(self.tensor_parallel) * 1e6:.1f} us each)")
+            f"{self.device.latency(self.tensor_parallel) * 1e6:.1f} us each"
+            f"{''.join(f'; replicated: {note}' for note in self.replicated)})")
         return (f"roofline {self.device.name}, knee {self.knee:.0f} tokens/pass, cache {self.cache_len}"
                 f"{experts}{split}")
 
