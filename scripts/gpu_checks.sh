@@ -5,9 +5,11 @@
 #                                  against nodes with the MTP layer's drafting, speculative decoding
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
+#   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
+#                                  against the planner's ring model (skipped, saying so, on one GPU)
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s) and the moe part's to 555 s (9 min 15 s), under the device's 10-minute limit
-# per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 225 s
+# (3 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -57,6 +59,19 @@ step profile_moe timeout 190 python scripts/profile_preset.py --preset qwen3_30b
 step bench_moe_paths timeout 120 python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 \
     --tokens 1,2,8,32,128,512,4096 --out "$out/bench_moe_paths.json"
 step moe_gpu_tests timeout 40 python -m pytest -q tests/test_gpu_path.py -k moe
+elif [ "${1:-}" = "tp" ]; then
+# T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
+#     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's
+#     latency + 2 (n-1)/n x bytes / 450 GB/s); where they disagree, its figures replace profile.py's nccl-tests ones.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$gpus" -gt 1 ]; then
+    step bench_allreduce timeout 180 python scripts/bench_allreduce.py --hidden 8192 --tokens 1,16,64,256,1024 \
+        --out "$out/bench_allreduce.json"
+else
+    echo "=== bench_allreduce: skipped ($gpus GPU here: an all-reduce needs more than one; the planner keeps the"
+    echo "    nccl-tests figures in specjax/planning/profile.py)"
+    echo "bench_allreduce: skipped, $gpus GPU" >"$out/bench_allreduce.log"
+fi
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).
 step kernel_tests timeout 100 python -m pytest -q tests/kernels

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Tuple, Union
+from typing import Any, Mapping, Tuple, Union
 
 import numpy as np
 
@@ -191,34 +191,46 @@ class ModelConfig:
         """Indices of the Gated DeltaNet layers (the ones with a conv and a recurrent state)."""
         return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
-    def num_params(self, active: bool = False) -> int:
-        """Every weight; active=True: the weights one token reads (its k routed experts, not all E)."""
-        d, v = self.hidden_size, self.vocab_size
-        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * (qd * (2 if self.attn_output_gate else 1) + 2 * kvd) + qd * d
-        attn += (qd + 2 * kvd) if self.qkv_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
-        mixer = attn
-        if self.linear is not None:
-            lin = self.linear
-            mixer = d * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads) + lin.value_dim * d
-            mixer += lin.conv_dim * lin.conv_kernel + 2 * lin.num_value_heads + lin.value_head_dim
-        total = 0
-        for i in range(self.num_layers):
-            mixes = attn if self.layer_type(i) == "full_attention" else mixer
-            total += mixes + d + self.mlp_params(i, active)  # + d: the layer's input norm
-        head = 0 if self.tie_word_embeddings else d * v
-        return v * d + total + d + head
+    def num_params(self, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
+        """Every weight; active=True: the weights one token reads (its k routed experts, not all E).
 
-    def mlp_params(self, i: int, active: bool = False) -> int:
-        """Layer i's MLP half with its norm: dense SwiGLU, or router + experts (+ shared expert and its gate)."""
-        d = self.hidden_size
+        shards: one device's share under tensor parallelism: per logical axis name of models/layers.py (heads,
+        kv_heads, mlp, vocab, v_heads, conv; experts: the routed experts' weights; shared: the shared expert's
+        width), the number of devices it splits over (planning/tensor_parallel.py decides which split). Norms, the
+        router and the q/k norms count whole on every device. With shards the count is a float (a device's
+        expected share of the k active experts)."""
+        d, v, part = self.hidden_size, self.vocab_size, _share(shards)
+        total = sum(self.layer_params(i, active, shards) for i in range(self.num_layers))
+        head = 0 if self.tie_word_embeddings else part(d * v, "vocab")
+        total += part(v * d, "vocab") + d + head  # + d: the final norm
+        return total if shards else int(total)
+
+    def layer_params(self, i: int, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
+        """Layer i's weights: its mixer (attention or Gated DeltaNet) with its input norm, and its MLP half;
+        active and shards as in num_params."""
+        d, part = self.hidden_size, _share(shards)
+        if self.layer_type(i) == "full_attention":
+            qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            mixer = part(d * qd * (2 if self.attn_output_gate else 1) + qd * d, "heads") + part(2 * d * kvd, "kv_heads")
+            mixer += (part(qd, "heads") + part(2 * kvd, "kv_heads")) if self.qkv_bias else 0
+            mixer += 2 * self.head_dim if self.qk_norm else 0
+        else:
+            lin = self.linear
+            mixer = part(d * lin.conv_dim + lin.conv_dim * lin.conv_kernel, "conv") + lin.value_head_dim
+            mixer += part(d * (lin.value_dim + 2 * lin.num_value_heads) + lin.value_dim * d + 2 * lin.num_value_heads,
+                          "v_heads")
+        return mixer + d + self.mlp_params(i, active, shards)  # + d: the layer's input norm
+
+    def mlp_params(self, i: int, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
+        """Layer i's MLP half with its norm: dense SwiGLU, or router + experts (+ shared expert and its gate);
+        shards as in num_params."""
+        d, part = self.hidden_size, _share(shards)
         if not self.is_sparse(i):
-            return 3 * d * self.intermediate_size + d
+            return part(3 * d * self.intermediate_size, "mlp") + d
         moe = self.moe
         experts = moe.top_k if active else moe.num_experts
-        shared = 3 * d * moe.shared_size + d if moe.shared_size else 0
-        return d * moe.num_experts + experts * moe.expert_params(d) + shared + d
+        shared = part(3 * d * moe.shared_size, "shared") + d if moe.shared_size else 0
+        return d * moe.num_experts + part(experts * moe.expert_params(d), "experts") + shared + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
@@ -339,6 +351,14 @@ def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(layer_types=tuple(layer_types), linear=linear,
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
                 attn_output_gate=True, norm_offset=True)
+
+
+def _share(shards: Mapping[str, int] | None):
+    """count, axis -> the share of `count` weights on one device when `axis` splits over shards[axis] devices
+    (the count itself, an int, without shards)."""
+    if not shards:
+        return lambda count, axis: count
+    return lambda count, axis: count / shards.get(axis, 1)
 
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",

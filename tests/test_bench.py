@@ -69,7 +69,7 @@ exit 0
 """
 
 
-def run_gpu_checks(tmp_path, fail: str = "") -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_gpu_checks(tmp_path, fail: str = "", *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the script with fake `python` and `nvidia-smi` first on PATH; (result, the fake python's calls)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -79,7 +79,8 @@ def run_gpu_checks(tmp_path, fail: str = "") -> tuple[subprocess.CompletedProces
     log = tmp_path / "calls.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "FAKE_LOG": str(log), "FAKE_FAIL": fail}
-    result = subprocess.run(["bash", str(GPU_CHECKS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["bash", str(GPU_CHECKS), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
     return result, log.read_text().splitlines()
 
 
@@ -104,20 +105,28 @@ def test_gpu_checks_exits_zero_when_every_step_succeeds(tmp_path):
     assert "FAILED" not in (tmp_path / "out" / "summary.txt").read_text()
 
 
+def test_gpu_checks_tp_skips_the_allreduce_on_one_gpu(tmp_path):
+    result, calls = run_gpu_checks(tmp_path, "", "tp")
+    assert result.returncode == 0, result.stdout
+    assert "bench_allreduce: skipped (0 GPU here" in result.stdout
+    assert not any("bench_allreduce.py" in c for c in calls)
+
+
 def test_gpu_checks_header_states_the_sum_of_its_timeouts():
-    """Each part (dense: no argument; `hybrid`; `moe`) runs the common steps and its own branch: its stated sum
-    holds."""
+    """Each part (dense: no argument; `hybrid`; `moe`; `tp`) runs the common steps and its own branch: its stated
+    sum holds."""
     text = GPU_CHECKS.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     common, rest = code.split('if [ "${1:-}" = "hybrid" ]; then')
     hybrid, rest = rest.split('elif [ "${1:-}" = "moe" ]; then', 1)
-    moe, dense = rest.split("\nelse\n", 1)
+    moe, rest = rest.split('elif [ "${1:-}" = "tp" ]; then', 1)
+    tp, dense = rest.split("\nelse\n", 1)
 
     def total(part: str) -> int:
         return sum(int(t) for t in re.findall(r"\btimeout (\d+)\b", part))
 
     header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
-    for name, branch in (("dense", dense), ("hybrid", hybrid), ("moe", moe)):
+    for name, branch in (("dense", dense), ("hybrid", hybrid), ("moe", moe), ("tp", tp)):
         stated = re.search(rf"{name} part's (?:timeouts add up )?to (\d+) s \((\d+) min (\d+) s\)", header)
         assert stated, f"the header must state the {name} part's sum: 'N s (M min S s)'"
         s, m, sec = stated.groups()

@@ -38,6 +38,7 @@ from specjax.convert.hf import hf_to_params
 from specjax.generate import generate
 from specjax.models.model import init_params
 from specjax.models.target import Target
+from specjax.planning.presets import LLAMA3_8B
 from specjax.planning.profile import DEVICES, QWEN3_30B_A3B, Roofline
 
 _LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
@@ -54,12 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
              "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
              "tie_word_embeddings": False},
     # Meta-Llama-3-8B shapes (rope scaling as in Llama 3.1), bf16.
-    "8b": {**_LLAMA_BASE, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "max_position_embeddings": 131072, "rope_theta": 500000.0, "bos_token_id": 128000,
-           "eos_token_id": 128001, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "8b": LLAMA3_8B,
     # Qwen/Qwen3.5-9B's text model (transformers' Qwen3_5TextConfig defaults): 24 Gated DeltaNet + 8 gated
     # attention layers, bf16, random weights.
     "qwen35_9b": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,

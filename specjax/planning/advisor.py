@@ -16,7 +16,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Sequence
 
-from specjax.config import SamplingConfig
+from specjax.config import ModelConfig, SamplingConfig, text_config
+from specjax.convert.hf_files import read_hf_config, read_json
 from specjax.decoding.tree import chain, parse_tree
 from specjax.drafters import NgramDrafter
 from specjax.loading.drafter import load_drafter
@@ -25,6 +26,7 @@ from specjax.loading.prompts import bench_prompts
 from specjax.loading.target import load
 from specjax.planning.auto import auto_shape
 from specjax.planning.calibration import calibrate
+from specjax.planning.memory import Draft, checkpoint_draft, format_memory, memory_plan, served_plans
 from specjax.planning.planner import (
     Call,
     Choice,
@@ -38,7 +40,15 @@ from specjax.planning.planner import (
     shape_curve,
     shape_of,
 )
-from specjax.planning.profile import CostModel, cost_model, local_device, profile, routing_curve, save_profile
+from specjax.planning.profile import (
+    DEVICES,
+    CostModel,
+    cost_model,
+    local_device,
+    profile,
+    routing_curve,
+    save_profile,
+)
 
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 
@@ -85,6 +95,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="--tokens: prompt tokens per row; the prefill is modelled as a pass of that many per row")
     p.add_argument("--max-nodes", type=int, default=None, help="largest tree considered (default 512 / 64)")
     p.add_argument("--max-depth", type=int, default=24)
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="price the target split over this many devices of --device (h100 | h200, NVLink, at most "
+                        "8): one device's weights, KV and FLOPs plus each pass's all-reduces (the drafter whole)")
+    p.add_argument("--sampled", action="store_true",
+                   help="--tensor-parallel: verification samples (temperature > 0), so the vocabulary-split logits "
+                        "are all-gathered instead of reduced to each token's argmax")
+    p.add_argument("--memory", action="store_true",
+                   help="print the memory plan per device instead: weights, KV per token, recurrent state, the "
+                        "draft's share and what is free for --batch rows of --context tokens (no --target: "
+                        "Llama-3.3-70B at TP 8, Qwen3.5-27B at TP 2, Qwen3.5-122B-A10B at TP 8 on H100 and H200)")
+    p.add_argument("--batch", type=int, default=32, help="--memory: rows held at --context cached tokens each")
     p.add_argument("--plot", default=None, help="write a PNG of predicted speedup vs concurrency")
     p.add_argument("--json", default=None, help="write the plan as JSON")
 
@@ -93,7 +114,9 @@ def plan_main(args: argparse.Namespace) -> int:
     batches = ints(args.concurrency, "--concurrency")
     if args.plot and find_spec("matplotlib") is None:  # say so before minutes of calibration, not after
         raise ValueError("--plot needs matplotlib: pip install -e '.[plot]', or drop --plot")
-    report: dict[str, Any] = {"concurrency": batches}
+    if args.memory:
+        return memory_main(args)
+    report: dict[str, Any] = {"concurrency": batches, "tensor_parallel": args.tensor_parallel}
     if args.moe:
         if not args.model_only:
             raise ValueError("--moe compares the published settings on a dense and an MoE model: add --model-only")
@@ -103,7 +126,7 @@ def plan_main(args: argparse.Namespace) -> int:
             raise ValueError("--model-only plans the published model; drop --target/--drafter, or drop --model-only")
         device = args.device or "h100"
         cost = 0.05 if args.cost is None else args.cost
-        p, cm = published_model(args.alpha, cost, device)
+        p, cm = published_model(args.alpha, cost, device, args.tensor_parallel, args.sampled)
         tree_ok, max_nodes = True, args.max_nodes or 512
         print(f"acceptance: rank r accepted w.p. alpha (1 - alpha)^r, alpha {args.alpha:g} "
               f"(p = {', '.join(f'{x:.3g}' for x in p[:4])}, ...)")
@@ -111,6 +134,9 @@ def plan_main(args: argparse.Namespace) -> int:
         if not args.drafter:
             raise ValueError("pass --drafter D (a drafter directory of any family, or 'ngram') to plan for a pair, "
                              "or --model-only for the published model")
+        if args.device is None and not args.roofline and args.tensor_parallel != 1:
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel} prices a split target by roofline; this "
+                             "machine's measurement runs on one device: add --device h100 or --device h200")
         target, drafter = load_pair(args.target or str(DEFAULT_TARGET), args.drafter)
         if args.device is None and not args.roofline:
             return plan_measured(args, target, drafter, batches, report)
@@ -128,7 +154,8 @@ def plan_main(args: argparse.Namespace) -> int:
             print("routing measured on the calibration prompts: distinct experts per sparse layer at "
                   + ", ".join(f"{t} tokens {e:.1f}" for t, e in routing) + f" of {target.cfg.moe.num_experts}")
             report["routing"] = routing
-        cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost, routing)
+        cm = cost_model(args.device or local_device(), target.cfg, drafter, args.context, args.cost, routing,
+                        args.tensor_parallel, args.sampled)
         if args.device is None:
             print(f"planning by the roofline of this device ({local_device()}), not by measurement (--roofline)")
         max_nodes = args.max_nodes or 64
@@ -146,6 +173,9 @@ def plan_main(args: argparse.Namespace) -> int:
                    tree_ok=tree_ok, table=table, call=call)
     print(format_plan(choices))
     report |= {"p_rank": list(p), "cost": cm.source, "choices": [c.as_dict() for c in choices]}
+    if args.tensor_parallel > 1:
+        report["collectives"] = collective_shares(choices, cm)
+        print(format_shares(args.tensor_parallel, report["collectives"]))
     if args.plot:
         plot_speedups(p, cm, choices, table, args.plot, title=cm.source, call=call)
         print(f"wrote {args.plot}")
@@ -164,7 +194,7 @@ def write_report(report: dict[str, Any], path: str) -> None:
 def plan_moe_vs_dense(args: argparse.Namespace, batches: list[int], report: dict[str, Any]) -> int:
     """The published settings planned on Qwen3-30B-A3B and on a dense model of its active size, side by side."""
     cost = 0.05 if args.cost is None else args.cost
-    p, dense, moe = published_moe_model(args.alpha, cost, args.device or "h100")
+    p, dense, moe = published_moe_model(args.alpha, cost, args.device or "h100", args.tensor_parallel, args.sampled)
     max_nodes = args.max_nodes or 512
     table = best_trees(p, max_nodes, args.max_depth)
     plans = {}
@@ -173,12 +203,36 @@ def plan_moe_vs_dense(args: argparse.Namespace, batches: list[int], report: dict
         plans[name] = plan(p, batches, cm.verify_s, cm.draft_s, max_nodes=max_nodes, max_depth=args.max_depth,
                            table=table)
         print(format_plan(plans[name]))
+        if args.tensor_parallel > 1:
+            report.setdefault("collectives", {})[name] = collective_shares(plans[name], cm)
+            print(format_shares(args.tensor_parallel, report["collectives"][name]))
     print(format_comparison(plans["dense"], plans["moe"]))
     report |= {"p_rank": list(p), "costs": {"dense": dense.source, "moe": moe.source},
                "choices": {k: [c.as_dict() for c in v] for k, v in plans.items()}}
     if args.json:
         write_report(report, args.json)
     return 0
+
+
+def collective_shares(choices: Sequence[Choice], cm: CostModel) -> list[dict[str, Any]]:
+    """Per concurrency, the best shape's verify pass: its tokens, its time, and the time and share of it its
+    collectives (tensor parallelism's all-reduces) take."""
+    rows = []
+    for c in choices:
+        nodes = c.best.shape.nodes
+        verify, collective = cm.verify_s(c.batch, nodes), cm.collective_s(c.batch, nodes)
+        rows.append({"batch": c.batch, "shape": c.best.shape.label, "tokens": c.batch * nodes, "verify_s": verify,
+                     "collective_s": collective, "allreduce_share": collective / verify})
+    return rows
+
+
+def format_shares(n: int, rows: Sequence[dict[str, Any]]) -> str:
+    """collective_shares as a table, headed by the degree."""
+    lines = [f"tensor parallel {n}: each best shape's verify pass, and its all-reduces",
+             "| concurrency | best shape | tokens/pass | verify pass | all-reduces | share |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['shape']} | {r['tokens']} | {r['verify_s'] * 1e3:.2f} ms | "
+              f"{r['collective_s'] * 1e3:.2f} ms | {r['allreduce_share']:.0%} |" for r in rows]
+    return "\n".join(lines)
 
 
 def format_comparison(dense: Sequence[Choice], moe: Sequence[Choice]) -> str:
@@ -222,6 +276,34 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
         print("--plot draws a cost model's curves: pass --device (h100, h200, cpu or a profile JSON) with it")
     if args.json:
         write_report(report, args.json)
+    return 0
+
+
+def memory_main(args: argparse.Namespace) -> int:
+    """`specjax plan --memory`: the memory plan per device (planning/memory.py) as a table, and as JSON with --json:
+    the six served cases, or --target's config at --tensor-parallel on --device (default: H100 and H200)."""
+    devices = [args.device] if args.device else ["h100", "h200"]
+    unknown = [d for d in devices if d not in DEVICES]
+    if unknown:
+        raise ValueError(f"--memory plans a device of DEVICES ({sorted(DEVICES)}), got --device {unknown[0]!r}")
+    draft = None
+    if args.drafter:
+        draft = Draft("n-gram (no weights)", 0.0, 0.0) if args.drafter == "ngram" else checkpoint_draft(args.drafter)
+    if args.target:
+        path = Path(args.target)
+        hf = read_json(path) if path.is_file() else read_hf_config(path)
+        cfg = ModelConfig.from_hf(hf)
+        mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
+        plans = [memory_plan(cfg, path.name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp)
+                 for d in devices]
+    else:
+        if args.tensor_parallel != 1:
+            raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
+                             "drop --tensor-parallel, or pass --target with it")
+        plans = served_plans(args.batch, args.context, devices, draft)
+    print(format_memory(plans))
+    if args.json:
+        write_report({"memory": [p.as_dict() for p in plans]}, args.json)
     return 0
 
 

@@ -31,10 +31,9 @@ from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import Settings
 from specjax.decoding.tree import TreeSpec, chain, child_ranks, from_choices, kary
 from specjax.models.target import format_count
+from specjax.planning.presets import LLAMA3_8B
 from specjax.planning.profile import (
-    LLAMA3_8B_PARAMS,
     QWEN3_30B_A3B,
-    CostModel,
     Roofline,
     device_spec,
     relative_draft,
@@ -466,27 +465,28 @@ def geometric_acceptance(alpha: float, ranks: int = 8) -> tuple[float, ...]:
     return tuple(alpha * (1 - alpha) ** r for r in range(ranks))
 
 
-def published_moe_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"):
+def published_moe_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100", tensor_parallel: int = 1,
+                        sampled: bool = False):
     """(p, dense CostModel, MoE CostModel): the published settings on Qwen3-30B-A3B by roofline (its experts read
-    per pass under uniform routing) and on a dense bf16 model of the same active parameters (3.3B)."""
+    per pass under uniform routing) and on a dense bf16 model of the same active parameters (3.3B), both split
+    over `tensor_parallel` devices alike (the same collectives)."""
     cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
-    moe = Roofline.for_config(cfg, device_spec(device))
-    dense = Roofline(moe.device, moe.params, 2 * moe.params)
+    moe = Roofline.for_config(cfg, device_spec(device), 0, tensor_parallel, sampled)
+    dense = dataclasses.replace(moe, weight_bytes=2 * moe.params, expert_bytes=0.0, experts=None, routing=())
     what = f"drafter right w.p. {alpha:g}, draft {cost:g} x target step per level"
-    cms = [CostModel(r.verify_s, relative_draft(r.verify_s, cost), f"{name} on {r.device.name} by roofline (knee "
-                     f"{r.knee:.0f} tokens/pass), {what}")
-           for r, name in ((dense, f"dense {format_count(moe.params)} bf16"),
-                           (moe, f"Qwen3-30B-A3B ({format_count(cfg.num_params())}, "
-                                 f"{format_count(moe.params)} active)"))]
+    active = format_count(cfg.num_params(active=True))
+    cms = [r.cost(relative_draft(r.verify_s, cost), f"{name}, {what}")
+           for r, name in ((dense, f"dense {active} bf16"),
+                           (moe, f"Qwen3-30B-A3B ({format_count(cfg.num_params())}, {active} active)"))]
     return geometric_acceptance(alpha), cms[0], cms[1]
 
 
-def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100"):
-    """(p, CostModel) of the published load model: an 8B bf16 target on `device` by roofline (no KV
-    term: knee ~295 tokens/pass on an H100), a drafter right with probability alpha, drafting costing
-    `cost` x one target step (at the same batch) per drafted level."""
-    roof = Roofline(device_spec(device), LLAMA3_8B_PARAMS, 2 * LLAMA3_8B_PARAMS)
-    cm = CostModel(roof.verify_s, relative_draft(roof.verify_s, cost),
-                   f"published model: 8B bf16 on {roof.device.name} by roofline (knee {roof.knee:.0f} tokens/pass), "
-                   f"drafter right w.p. {alpha:g}, draft {cost:g} x target step per level")
-    return geometric_acceptance(alpha), cm
+def published_model(alpha: float = 0.8, cost: float = 0.05, device: str = "h100", tensor_parallel: int = 1,
+                    sampled: bool = False):
+    """(p, CostModel) of the published load model: Meta-Llama-3-8B (bf16, 8.03B) on `device` by roofline (no KV
+    term: knee ~295 tokens/pass on an H100), split over `tensor_parallel` devices, a drafter right with
+    probability alpha, drafting costing `cost` x one target step (at the same batch) per drafted level."""
+    roof = Roofline.for_config(ModelConfig.from_hf(LLAMA3_8B), device_spec(device), 0, tensor_parallel, sampled)
+    return geometric_acceptance(alpha), roof.cost(relative_draft(roof.verify_s, cost),
+                                                  f"published model: 8B bf16, drafter right w.p. {alpha:g}, "
+                                                  f"draft {cost:g} x target step per level")

@@ -43,29 +43,71 @@ from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
 from specjax.models.target import format_count
+from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """Memory bandwidth (bytes/s) and dense matmul peaks (FLOP/s): 16-bit, and full fp32 (specjax's fp32 dots
-    do not use TF32)."""
+    do not use TF32); for tensor parallelism the memory one device holds (bytes), its NVLink bandwidth per
+    direction (bytes/s) and the latency of a small NCCL all-reduce by device count ((n, seconds) pairs)."""
 
     name: str
     bandwidth: float
     peak_flops: float
     source: str
     peak_flops_fp32: float | None = None  # None: same as peak_flops
+    memory_bytes: float | None = None
+    link_bandwidth: float | None = None  # None: no multi-device link known (tensor parallelism refused)
+    allreduce_latency: tuple[tuple[int, float], ...] = ()
+    max_tensor_parallel: int = 1  # devices one link domain joins (an HGX board: 8)
 
     def peak_for(self, dtype: str) -> float:
         return (self.peak_flops_fp32 or self.peak_flops) if dtype == "float32" else self.peak_flops
 
+    def latency(self, n: int) -> float:
+        """A small collective's fixed cost over n devices: the measured all-reduce latency, linear in n between
+        the measured counts (0 on one device)."""
+        if n == 1:
+            return 0.0
+        return interp(n, [k for k, _ in self.allreduce_latency], [s for _, s in self.allreduce_latency])
+
+    def allreduce_s(self, n: int, nbytes: float) -> float:
+        """A ring all-reduce of `nbytes` over n devices: latency + 2 (n - 1) / n x bytes / link bandwidth (each
+        device sends and receives 2 (n - 1) / n of the buffer, reduce-scatter then all-gather)."""
+        return 0.0 if n == 1 else self.latency(n) + 2 * (n - 1) / n * nbytes / self.link_bandwidth
+
+    def allgather_s(self, n: int, nbytes: float) -> float:
+        """A ring all-gather whose result is `nbytes` on every device: latency + (n - 1) / n x bytes / link
+        bandwidth (the all-reduce's latency: a measured all-gather's is lower, so this is the safe side)."""
+        return 0.0 if n == 1 else self.latency(n) + (n - 1) / n * nbytes / self.link_bandwidth
+
+
+# NVLink 4 (H100 SXM and H200 alike): 900 GB/s per GPU in both directions together (18 links of 50 GB/s,
+# NVIDIA's H100 and H200 datasheets), 450 GB/s each way; a ring all-reduce sends and receives at once, so the
+# per-direction figure is the one the ring runs at (ai-dynamo/aiconfigurator systems/h100_sxm.yaml and
+# h200_sxm.yaml: intra_node_bw 450e9 "per gpu, single direction").
+NVLINK4_PER_DIRECTION = 450e9
+# NCCL all-reduce latency on 2, 4 and 8 GPUs of one HGX board: nccl-tests all_reduce_perf (out-of-place time,
+# fp16, the smallest message: 512 bytes), NCCL 2.29.2, as NVIDIA's aiconfigurator collected it
+# (collector/network/collect_nccl.py) in aic-core/src/aiconfigurator_core/systems/data/{h100_sxm,h200_sxm}/comm/
+# nccl/*/nccl_perf.parquet (snapshot 095f58a). The same tables put the ring formula within 10% of the measured
+# time at 16 KB and at 512 MB on 8 GPUs (bus bandwidth there 445 GB/s on H100, 459 on H200), and 1.5-2.1x below
+# it between 1 and 16 MiB (38.6 us measured at 1 MiB on 8 H100s against 19.6 modelled), where NCCL changes protocol. scripts/gpu_checks.sh times
+# jax's all-reduce on the machine it runs on when it has more than one GPU.
+H100_ALLREDUCE_LATENCY = ((2, 6.2e-6), (4, 9.5e-6), (8, 15.5e-6))
+H200_ALLREDUCE_LATENCY = ((2, 6.0e-6), (4, 9.3e-6), (8, 16.0e-6))
+# Memory per device: nvidia-smi's memory.total, 81559 MiB (H100 80GB HBM3) and 143771 MiB (H200), as widely logged.
+H100_MEMORY = 81559 * 2**20
+H200_MEMORY = 143771 * 2**20
 
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("NVIDIA H100 SXM", 3.35e12, 989e12, "datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16, "
-                       "67 TFLOP/s fp32", 67e12),
+                       "67 TFLOP/s fp32", 67e12, H100_MEMORY, NVLINK4_PER_DIRECTION, H100_ALLREDUCE_LATENCY, 8),
     "h200": DeviceSpec("NVIDIA H200", 4.3e12, 790e12,
                        "measured on one H200: ~4.3 TB/s device copy (4.8 TB/s nominal), ~790 TFLOP/s bf16 matmul; "
-                       "fp32 from the H100 datasheet (same chip)", 67e12),
+                       "fp32 from the H100 datasheet (same chip)", 67e12, H200_MEMORY, NVLINK4_PER_DIRECTION,
+                       H200_ALLREDUCE_LATENCY, 8),
     # The 2-core x86-64 machine these sessions run on, fp32, measured with `measure_device()`:
     # a jitted sum over 512 MB read 31 GB/s; a jitted 1024^2 / 2048^2 matmul ran 178-223 GFLOP/s.
     "cpu": DeviceSpec("2-core x86-64 CPU (fp32)", 31e9, 2.0e11, "measured here: jnp.sum read 31 GB/s, matmul 200 GFLOP/s"),
@@ -73,7 +115,6 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LLAMA3_8B_PARAMS = 8.03e9  # Meta-Llama-3-8B, bf16: 16.06 GB of weights
 # Qwen/Qwen3-30B-A3B's config.json (the fields specjax reads): 48 layers, every MLP 128 experts of 768, 8 per token.
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
                  "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
@@ -99,6 +140,7 @@ class CostModel:
     draft_s: Callable[[int, int], float]
     source: str
     plain_s: Callable[[int], float] | None = None
+    collective_s: Callable[[int, int], float] | None = None  # the collectives inside verify_s (tensor parallel)
 
 
 # ---------------------------------------------------------------- roofline
@@ -106,7 +148,11 @@ class CostModel:
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
-    """A roofline verify-time estimate for one model on one device, at a given cache length."""
+    """A roofline verify-time estimate for one model on one device, at a given cache length.
+
+    Under tensor parallelism (`tensor_parallel` = n > 1) every figure is one device's share (what it holds, reads
+    and computes: tensor_parallel.split_model), and each pass adds its collectives (`collective_s`), which run
+    between the matmuls that need them and so add to the pass rather than hide under it."""
 
     device: DeviceSpec
     params: float  # matmul parameters (2 FLOPs each per token)
@@ -119,20 +165,33 @@ class Roofline:
     expert_bytes: float = 0.0  # one expert of every sparse layer; weight_bytes then holds only the shared weights
     experts: MoeConfig | None = None  # the routing (E, k) behind experts_read
     routing: tuple[tuple[int, float], ...] = ()  # measured (tokens per pass, distinct experts per sparse layer)
+    tensor_parallel: int = 1  # devices the model is split over
+    allreduces: int = 0  # all-reduces of the [tokens, hidden] activation per pass
+    activation_bytes: float = 0.0  # one token's hidden activation (model dtype)
+    logits_bytes: float = 0.0  # per token, what the vocabulary-split lm_head exchanges (0: the vocabulary is whole)
+    gather_logits: bool = False  # True: the fp32 logits all-gathered; False: each device's argmax all-reduced
+    replicated: tuple[str, ...] = ()  # what stays whole on every device (tensor_parallel.replicated)
 
     @classmethod
-    def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0) -> "Roofline":
+    def for_config(cls, cfg, device: DeviceSpec, cache_len: int = 0, tensor_parallel: int = 1,
+                   sampled: bool = False) -> "Roofline":
         """From a ModelConfig: params and bytes at its dtype, KV per position from the attention layers x kv heads
-        x head_dim, and for a hybrid its recurrent state (`hybrid_bytes`)."""
+        x head_dim, and for a hybrid its recurrent state (`hybrid_bytes`); with tensor_parallel = n, one device's
+        share of each and the pass's collectives (`collectives`; sampled: the logits are gathered)."""
+        check_tensor_parallel(device, tensor_parallel)
+        tp = split_model(cfg, tensor_parallel)
+        shards = tp.shards if tp.n > 1 else None
         width = DTYPE_BYTES[str(cfg.dtype)]
-        params = cfg.num_params(active=True)
-        kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * width
+        params = cfg.num_params(active=True, shards=shards)
+        kv = 2 * len(cfg.attention_layers) * (cfg.num_kv_heads // tp.kv_heads) * cfg.head_dim * width
         peak = device.peak_for(str(cfg.dtype))
-        state, node, flops = hybrid_bytes(cfg)
-        one_expert = 0 if cfg.moe is None else len(cfg.moe.sparse_layers) * cfg.moe.expert_params(cfg.hidden_size)
-        shared = cfg.num_params() - (0 if cfg.moe is None else one_expert * cfg.moe.num_experts)
+        state, node, flops = hybrid_bytes(cfg, tp)
+        one_expert = 0 if cfg.moe is None else \
+            len(cfg.moe.sparse_layers) * cfg.moe.expert_params(cfg.hidden_size) / tp.experts
+        shared = cfg.num_params(shards=shards) - (0 if cfg.moe is None else one_expert * cfg.moe.num_experts)
         return cls(dataclasses.replace(device, peak_flops=peak), params, shared * width, kv, cache_len, state, node,
-                   flops, one_expert * width, cfg.moe)
+                   flops, one_expert * width, cfg.moe, (), tp.n, *collectives(cfg, tp, sampled),
+                   replicated=tuple(replicated(cfg, tp)))
 
     def with_routing(self, routing: Sequence[tuple[int, float]]) -> "Roofline":
         """This roofline with a measured routing curve (tokens per pass -> distinct experts per sparse layer)."""
@@ -162,7 +221,9 @@ class Roofline:
 
     @property
     def knee(self) -> float:
-        """Tokens per pass where compute time reaches weight-read time (for an MoE, with the experts T reads)."""
+        """Tokens per pass where compute time reaches weight-read time (for an MoE, with the experts T reads).
+        One device's: a split that divides every weight evenly divides both sides by n and leaves the knee
+        where it was; the collectives are outside it (they grow with the tokens below the knee too)."""
         per_token = 2 * self.params / self.device.peak_flops
         if self.experts is None:
             return self.weights_s(1) / per_token
@@ -182,15 +243,84 @@ class Roofline:
         """One plain decoding step: the recurrence reads and writes each row's state once."""
         return self._pass_s(batch, batch * (self.cache_len * self.kv_bytes_per_position + 2 * self.state_bytes_per_row))
 
+    def describe(self) -> str:
+        """What this roofline prices, for a CostModel's source."""
+        experts = "" if self.experts is None else \
+            f", experts read by {'measured' if self.routing else 'uniform'} routing"
+        split = "" if self.tensor_parallel == 1 else (
+            f", tensor parallel {self.tensor_parallel} (per device; {self.allreduces} all-reduces of the hidden "
+            f"activation, {self.activation_bytes:.0f} bytes a token, per pass + the lm_head's "
+            f"{'logits all-gather' if self.gather_logits else 'argmax all-reduce' if self.logits_bytes else 'none'}, "
+            f"{self.device.link_bandwidth / 1e9:.0f} GB/s a direction, "
+            f"{self.device.latency(self.tensor_parallel) * 1e6:.1f} us each"
+            f"{''.join(f'; replicated: {note}' for note in self.replicated)})")
+        return (f"roofline {self.device.name}, knee {self.knee:.0f} tokens/pass, cache {self.cache_len}"
+                f"{experts}{split}")
+
+    def cost(self, draft_s: Callable[[int, int], float], what: str) -> CostModel:
+        """This roofline as a CostModel with `draft_s` (described by `what`)."""
+        return CostModel(self.verify_s, draft_s, f"{self.describe()}; {what}", self.plain_s,
+                         lambda batch, nodes: self.collective_s(batch * nodes))
+
+    def collective_s(self, tokens: int) -> float:
+        """The collectives of one pass of `tokens` over the model's devices (0 on one device): `allreduces`
+        all-reduces of the [tokens, hidden] activation, and the vocabulary-split lm_head's exchange: the fp32
+        logits all-gathered (gather_logits) or each device's (value, index) argmax all-reduced."""
+        n, dev = self.tensor_parallel, self.device
+        if n == 1:
+            return 0.0
+        total = self.allreduces * dev.allreduce_s(n, tokens * self.activation_bytes)
+        if self.logits_bytes:
+            exchange = dev.allgather_s if self.gather_logits else dev.allreduce_s
+            total += exchange(n, tokens * self.logits_bytes)
+        return total
+
     def _pass_s(self, tokens: int, per_row_bytes: float) -> float:
         weights = self.weights_s(tokens)
         compute = (2 * self.params + self.state_flops_per_token) * tokens / self.device.peak_flops
-        return max(weights, compute) + per_row_bytes / self.device.bandwidth
+        return max(weights, compute) + per_row_bytes / self.device.bandwidth + self.collective_s(tokens)
 
 
-def hybrid_bytes(cfg) -> tuple[float, float, float]:
+def check_tensor_parallel(device: DeviceSpec, n: int) -> None:
+    """A ValueError unless `device` has a link to price n devices with (n = 1 always passes)."""
+    if n == 1:
+        return
+    if device.link_bandwidth is None:
+        known = sorted(k for k, d in DEVICES.items() if d.link_bandwidth is not None)
+        raise ValueError(f"tensor parallelism needs a device link to price: {device.name} has none in DEVICES; "
+                         f"use --device {' or '.join(known)} (NVLink)")
+    if n > device.max_tensor_parallel:
+        raise ValueError(f"--tensor-parallel {n} spans more than one NVLink domain ({device.max_tensor_parallel} "
+                         f"GPUs of {device.name}, one HGX board); the roofline prices one domain: use "
+                         f"{device.max_tensor_parallel} or fewer")
+
+
+def collectives(cfg, tp: TensorParallel, sampled: bool = False) -> tuple[int, float, float, bool]:
+    """(all-reduces per pass, activation bytes per token, logits bytes per token, gather) for `cfg` split as `tp`.
+
+    All-reduces of the [tokens, hidden] activation: one after each layer's mixer when its output projection is
+    split (attention's o_proj by heads, a DeltaNet's out_proj by value heads), one after each MLP when it is split
+    (a dense MLP's down_proj; an MoE layer's experts, under expert parallelism too: every device holds every token
+    after the attention's all-reduce, computes its own experts' share of each and the shared expert's slice, and
+    one all-reduce sums the layer's output, as for a dense MLP), and one after a vocabulary-split embedding (each
+    device looks up the rows it holds, zeros elsewhere). The split lm_head leaves each device the logits of its
+    slice of the vocabulary: a greedy verify needs only each token's argmax, one all-reduce of (value, index)
+    pairs (8 bytes a token); a sampled verify reads whole rows (softmax, top-k, top-p), so the fp32 logits are
+    all-gathered (4 x vocab bytes a token). Not counted: the DeltaNet conv channels' regrouping into value heads
+    (collective-permutes the sharding work notes, removable by a head-aligned packing)."""
+    if tp.n == 1:
+        return 0, 0.0, 0.0, False
+    mixers = sum(tp.heads > 1 if cfg.layer_type(i) == "full_attention" else tp.v_heads > 1
+                 for i in range(cfg.num_layers))
+    mlps = sum((tp.experts > 1 or tp.shared > 1) if cfg.is_sparse(i) else tp.mlp > 1 for i in range(cfg.num_layers))
+    embed = int(tp.vocab > 1)
+    logits = 0.0 if tp.vocab == 1 else (4.0 * cfg.vocab_size if sampled else 8.0)
+    return mixers + mlps + embed, float(cfg.hidden_size * DTYPE_BYTES[str(cfg.dtype)]), logits, sampled
+
+
+def hybrid_bytes(cfg, tp: TensorParallel | None = None) -> tuple[float, float, float]:
     """(state bytes per row, kept bytes per verified node per row, state FLOPs per token) of a hybrid's DeltaNet
-    layers; zeros for a dense model.
+    layers, on one device of the split `tp` (the value heads and conv channels it holds); zeros for a dense model.
 
     State: Hv x dk x dv fp32 per layer. A verified node keeps its conv input (C in the model dtype), its
     key, corrected value (fp32, on the value heads) and cumulative decay (models/cache.py NodeResults).
@@ -200,9 +330,10 @@ def hybrid_bytes(cfg) -> tuple[float, float, float]:
     if lin is None:
         return 0.0, 0.0, 0.0
     n = len(cfg.linear_layers)
-    heads, dk, dv = lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+    tp = tp or TensorParallel(1)
+    heads, dk, dv = lin.num_value_heads // tp.v_heads, lin.key_head_dim, lin.value_head_dim
     state = n * heads * dk * dv * 4
-    node = n * (lin.conv_dim * DTYPE_BYTES[str(cfg.dtype)] + heads * (dk + dv + 1) * 4)
+    node = n * (lin.conv_dim // tp.conv * DTYPE_BYTES[str(cfg.dtype)] + heads * (dk + dv + 1) * 4)
     return float(state), float(node), float(6 * n * heads * dk * dv)
 
 
@@ -228,12 +359,11 @@ def relative_draft(verify_s: Callable[[int, int], float], cost: float) -> Callab
     return lambda batch, depth: cost * depth * verify_s(batch, 1)
 
 
-def roofline_cost(cfg, device: str | DeviceSpec, cache_len: int = 0, draft_cost: float = 0.0) -> CostModel:
+def roofline_cost(cfg, device: str | DeviceSpec, cache_len: int = 0, draft_cost: float = 0.0,
+                  tensor_parallel: int = 1, sampled: bool = False) -> CostModel:
     dev = device_spec(device) if isinstance(device, str) else device
-    roof = Roofline.for_config(cfg, dev, cache_len)
-    return CostModel(roof.verify_s, relative_draft(roof.verify_s, draft_cost),
-                     f"roofline {dev.name}, knee {roof.knee:.0f} tokens/pass, draft {draft_cost:g} x step/level",
-                     roof.plain_s)
+    roof = Roofline.for_config(cfg, dev, cache_len, tensor_parallel, sampled)
+    return roof.cost(relative_draft(roof.verify_s, draft_cost), f"draft {draft_cost:g} x step/level")
 
 
 def local_device() -> str:
@@ -247,24 +377,27 @@ def local_device() -> str:
 
 
 def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: float | None,
-               routing: Sequence[tuple[int, float]] | None = None) -> CostModel:
+               routing: Sequence[tuple[int, float]] | None = None, tensor_parallel: int = 1,
+               sampled: bool = False) -> CostModel:
     """A profile JSON (path), or a roofline on a known device for this target and (when it has a config) draft model;
-    an MoE target's roofline reads the experts of `routing` (measured, `routing_curve`) or of uniform routing."""
+    an MoE target's roofline reads the experts of `routing` (measured, `routing_curve`) or of uniform routing. With
+    tensor_parallel = n the target is priced split over n devices of the roofline's kind (a profile is measured
+    on the devices it ran on: n must be 1); the drafter is priced whole on one device (replicated)."""
     if device.endswith(".json") or Path(device).is_file():
+        if tensor_parallel != 1:
+            raise ValueError(f"--tensor-parallel {tensor_parallel} prices a split target by roofline; a profile JSON "
+                             "holds times measured where it ran: drop --tensor-parallel, or pass --device h100|h200")
         return load_profile(device, profile_key_for(target_cfg, device)).cost(cache_len)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)} or a profile JSON file, got {device!r}")
-    roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len)
+    roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len, tensor_parallel, sampled)
     if routing:
         roof = roof.with_routing(routing)
     if draft_cost is not None:
         draft, what = relative_draft(roof.verify_s, draft_cost), f"{draft_cost:g} x target step per level"
     else:
         draft, what = drafter_roofline(drafter, DEVICES[device], cache_len)
-    experts = "" if roof.experts is None else \
-        f", experts read by {'measured' if roof.routing else 'uniform'} routing"
-    return CostModel(roof.verify_s, draft, f"roofline {roof.device.name}, knee {roof.knee:.0f} tokens/pass, "
-                                           f"cache {cache_len}{experts}; {what}", roof.plain_s)
+    return roof.cost(draft, what)
 
 
 def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Callable[[int, int], float], str]:
