@@ -57,8 +57,9 @@ def _generate(args) -> int:
         return 0
     out = generate(target, prompts, **kw)
     for i, toks in enumerate(out.tokens):
-        print(f"--- {i} ({out.finish_reasons[i]}): {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
-    print(json.dumps({k: v for k, v in out.stats.items() if not isinstance(v, list)}, indent=1, default=str))
+        print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
+    stats = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
+    print(json.dumps({**stats, "finish_reasons": out.finish_reasons}, indent=1, default=str))
     return 0
 
 

@@ -145,7 +145,8 @@ def test_cli_generate_passes_every_option(monkeypatch, capsys):
 
     def fake_generate(target, prompts, **kwargs):
         seen.update(kwargs, prompts=prompts)
-        return GenerateOutput([[1]] * len(prompts), {"tokens_per_s": 1.0}, ["x"] * len(prompts))
+        return GenerateOutput([[1]] * len(prompts), {"tokens_per_s": 1.0}, ["x"] * len(prompts),
+                              finish_reasons=["length"] * len(prompts))
 
     monkeypatch.setattr(specjax, "generate", fake_generate)
     args = ["generate", str(specjax.embedded("target")), "--prompt", "a", "--prompt", "b", "--drafter", "ngram",
@@ -157,6 +158,11 @@ def test_cli_generate_passes_every_option(monkeypatch, capsys):
     assert seen["tree"] == "auto" and seen["scheduler"] == "confidence"
     assert cli_main(args[:4] + ["--num-draft-tokens", "off", "--eos", ""]) == 0
     assert seen["num_draft_tokens"] == "off" and seen["eos_token_id"] == []
+    assert cli_main(args[:4] + ["--stop", "\n\n", "--stop", "END", "--stop-token-ids", "7", "--temperature", "0.7",
+                                "--min-p", "0.05", "--repetition-penalty", "1.1", "--min-tokens", "2"]) == 0
+    assert seen["stop"] == ["\n\n", "END"] and seen["stop_token_ids"] == [7] and seen["temperature"] == 0.7
+    assert seen["min_p"] == 0.05 and seen["repetition_penalty"] == 1.1 and seen["min_tokens"] == 2
+    assert seen["top_k"] is None  # unset: the checkpoint's generation_config.json decides
     with pytest.raises(SystemExit):
         cli_main(args[:4] + ["--num-draft-tokens", "four"])
     assert "expected a chain length K, 'auto' or 'off'" in capsys.readouterr().err

@@ -170,7 +170,8 @@ def test_cli_streams_and_stops(target, plain, capsys):
     assert main(args + ["--stream"]) == 0
     assert capsys.readouterr().out == before + "\n--- 0: finished (stop)\n"
     assert main(args) == 0
-    assert f"--- 0 (stop): {before}\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"--- 0: {before}\n" in printed and '"finish_reasons": [\n  "stop"\n ]' in printed
 
 
 def test_stream_with_the_prefix_scheduler_equals_generate(target):
