@@ -40,7 +40,8 @@ def _free_compiled_executables():
 # `--dist loadfile` a file runs whole on one worker in collection order, so a long file collected last (pytest
 # collects alphabetically) leaves the other worker idle at the end; starting the long ones first balances the run.
 LONGEST_FIRST = ("test_planner.py", "test_scheduler.py", "test_dynamic_tree.py", "test_demo.py", "test_dflash.py",
-                 "test_eagle3_tree.py", "test_lossless_sampling.py", "test_bench.py", "test_speculative.py")
+                 "test_eagle3_tree.py", "test_lossless_sampling.py", "test_bench.py", "test_speculative.py",
+                 "test_sharding.py", "test_sharding_drafters.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,14 +101,33 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def restore(path: Path) -> tuple[dict, dict, dict]:
-    """(params, hf_config, specjax meta) from a directory written by `save`."""
+def read_configs(path: Path) -> tuple[dict, dict]:
+    """(hf_config, specjax meta) of a directory written by `save`, without its weights."""
     path = Path(path).absolute()
     meta = json.loads((path / MARKER).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER} says format {meta.get('format')!r}; expected {FORMAT!r}")
-    params = ocp.StandardCheckpointer().restore(path / "params")
-    return with_layer_indices(params), json.loads((path / "config.json").read_text()), meta
+    return json.loads((path / "config.json").read_text()), meta
+
+
+def stored_shapes(path: Path) -> dict:
+    """The stored params as ShapeDtypeStructs (per-layer weights keyed 0, 1, ...), read from orbax's metadata."""
+    tree = ocp.StandardCheckpointer().metadata(Path(path).absolute() / "params").item_metadata.tree
+    return with_layer_indices(jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree))
+
+
+def restore(path: Path, into: dict | None = None) -> tuple[dict, dict, dict]:
+    """(params, hf_config, specjax meta) from a directory written by `save`.
+
+    into: ShapeDtypeStructs with a sharding (and dtype) per leaf, shaped as `stored_shapes`: each device then reads
+    only its slice of every array, cast to that dtype; None restores every array whole."""
+    hf_config, meta = read_configs(path)
+    item = Path(path).absolute() / "params"
+    if into is None:
+        params = ocp.StandardCheckpointer().restore(item)
+    else:
+        params = ocp.StandardCheckpointer().restore(item, with_layer_names(into))
+    return with_layer_indices(params), hf_config, meta
 
 
 def with_layer_indices(params: dict) -> dict:
@@ -117,4 +136,12 @@ def with_layer_indices(params: dict) -> dict:
     layers = params.get("layers")
     if isinstance(layers, dict) and layers and all(isinstance(k, str) and k.isdigit() for k in layers):
         return {**params, "layers": {int(k): v for k, v in layers.items()}}
+    return params
+
+
+def with_layer_names(params: dict) -> dict:
+    """The inverse of with_layer_indices: per-layer keys as the strings orbax stored."""
+    layers = params.get("layers")
+    if isinstance(layers, dict) and layers and all(isinstance(k, int) for k in layers):
+        return {**params, "layers": {str(k): v for k, v in layers.items()}}
     return params

@@ -29,6 +29,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
+from specjax.convert.lazy import LazyTensors, stack
 from specjax.convert.mtp import read_mtp
 from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
 from specjax.models.model import param_shapes
@@ -95,7 +96,7 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
     else:
         one = jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=lambda x: isinstance(x, tuple))
         per_layer = [take_layer(take, tensors, f"model.layers.{i}.", one) for i in range(cfg.num_layers)]
-        layers = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
+        layers = jax.tree.map(lambda *xs: stack(xs), *per_layer)
     params = {
         "embed": take("model.embed_tokens.weight", shapes["embed"], False),
         "layers": layers,
@@ -172,12 +173,15 @@ def _config_hints(names: list[str], cfg: ModelConfig) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def load_hf(model_dir: Path, dtype: str | None = None) -> tuple[dict, ModelConfig, dict[str, np.ndarray]]:
+def load_hf(model_dir: Path, dtype: str | None = None, lazy: bool = False) -> tuple[dict, ModelConfig, dict]:
     """(raw config.json dict, ModelConfig, host params) from a Hugging Face model directory.
 
     The params carry `mtp` when the checkpoint has MTP layers (`specjax.load` keeps them apart).
+    lazy: the params are views that read their elements when indexed (convert/lazy.py; each device's slice of a
+    weight for a mesh), else numpy arrays read whole.
     """
     hf_cfg = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_cfg, dtype=dtype)
-    params = hf_to_params(read_tensors(safetensors_files(model_dir)), cfg, hf_cfg)
+    files = safetensors_files(model_dir)
+    params = hf_to_params(LazyTensors(files) if lazy else read_tensors(files), cfg, hf_cfg)
     return hf_cfg, cfg, params

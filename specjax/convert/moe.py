@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from specjax.convert.lazy import stack
+
 Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected specjax shape, transpose) -> array
 
 ROUTER = "mlp.gate.weight"
@@ -45,7 +47,7 @@ def take_moe(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
         moe["w_down"] = take(prefix + FUSED_DOWN, (e, d, i), False).transpose(0, 2, 1)
     else:
         for key, proj in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
-            moe[key] = np.stack([take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)])
+            moe[key] = stack([take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)])
     for key, name in SHARED.items():
         if key in shapes:
             moe[key] = take(prefix + name, shapes[key], True)

@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.config import LinearAttnConfig, ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS
+from specjax.convert.lazy import deferred_parts
 from specjax.convert.moe import moe_hf_tensors, take_moe
 from specjax.models.model import param_shapes
 
@@ -101,7 +102,8 @@ def take_attention_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig
     layer = {k: take(prefix + name, shapes[k], tr) for k, (name, tr) in ATTENTION_KEYS.items() if k not in _MLP}
     qd = cfg.num_heads * cfg.head_dim
     q_proj = take(prefix + GATED_Q, (cfg.hidden_size, 2 * qd), True).T
-    layer["wq"], layer["wg"] = split_gated_q(q_proj, cfg.num_heads, cfg.head_dim)
+    layer["wq"], layer["wg"] = deferred_parts(lambda: split_gated_q(np.asarray(q_proj), cfg.num_heads, cfg.head_dim),
+                                              [(cfg.hidden_size, qd)] * 2, q_proj.dtype, q_proj)
     return {**layer, **take_mlp(take, tensors, prefix, shapes)}
 
 
@@ -114,7 +116,9 @@ def take_deltanet_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig,
         r = lin.num_value_heads // lin.num_key_heads
         qkvz = take(prefix + QKVZ, (cfg.hidden_size, lin.conv_dim + lin.value_dim), True).T
         ba = take(prefix + BA, (cfg.hidden_size, lin.num_key_heads * 2 * r), True).T
-        layer.update(split_qkvz(qkvz, ba, lin))
+        parts = deferred_parts(lambda: tuple(split_qkvz(np.asarray(qkvz), np.asarray(ba), lin).values()),
+                               [shapes[k] for k in FUSED_KEYS], qkvz.dtype, qkvz, ba)
+        layer.update(zip(FUSED_KEYS, parts))
     k, c = shapes["conv_w"]
     layer["conv_w"] = take(prefix + CONV, (c, 1, k), False)[:, 0, :].T
     return {**layer, **take_mlp(take, tensors, prefix, shapes)}

@@ -23,6 +23,7 @@ from specjax.decoding.decode import LoopConfig, RowSettings
 from specjax.decoding.penalties import RowPenalties
 from specjax.decoding.sampling import RowSampling
 from specjax.decoding.stream import ChunkedRun, RowText, finish_reason, host_reader
+from specjax.models.sharding import axis_size, place_batch, use_mesh
 from specjax.models.target import Target
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
@@ -155,9 +156,16 @@ def timing_context(ids: list[list[int]], max_new_tokens: int) -> int:
     return max(len(r) for r in ids) + max_new_tokens // 2
 
 
-def pad_batch(ids: list[list[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Right-pad prompts to a length bucket and the batch to a power of two (padding rows get no budget)."""
-    b, t = bucket(len(ids), minimum=1), bucket(max(len(r) for r in ids))
+def batch_bucket(n: int, multiple: int = 1) -> int:
+    """Rows a batch of n prompts is padded to: a power of two, rounded up to a multiple of `multiple` (the mesh's
+    data-parallel size, which splits the batch evenly)."""
+    return -(-bucket(n, minimum=1) // multiple) * multiple
+
+
+def pad_batch(ids: list[list[int]], max_new_tokens: int,
+              multiple: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad prompts to a length bucket and the batch to `batch_bucket` (padding rows get no budget)."""
+    b, t = batch_bucket(len(ids), multiple), bucket(max(len(r) for r in ids))
     prompt_BT = np.zeros((b, t), np.int32)
     prompt_len_B = np.ones((b,), np.int32)
     max_new_B = np.zeros((b,), np.int32)
@@ -255,11 +263,12 @@ class Request:
     lc: LoopConfig
     options: Options
     stop_ids: tuple[int, ...]  # EOS and stop_token_ids
+    mesh: Any = None  # the target's mesh: the arrays are split over its "data" axis
 
     def arrays(self) -> "LoopArrays":
-        """The jitted loops' array arguments after params, on the device."""
-        return LoopArrays(*(jnp.asarray(x) for x in (self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B,
-                                                     self.fold_B)), jax.tree.map(jnp.asarray, self.rows))
+        """The jitted loops' array arguments after params, on the device (the batch split over "data" on a mesh)."""
+        return place_batch(LoopArrays(self.prompt_BT, self.prompt_len_B, self.max_new_B, self.seeds_B, self.fold_B,
+                                      self.rows), self.mesh)
 
     @property
     def chunked(self) -> bool:
@@ -279,7 +288,8 @@ def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: Sa
     sampling = sampling.validate()
     shaped_for = max(max_new_tokens, token_bucket) if token_bucket else max_new_tokens
     cache_len = cache_length(target, ids, shaped_for, max_len, draft_nodes)
-    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens)
+    mesh = getattr(target, "mesh", None)
+    prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens, axis_size(mesh, "data"))
     batch = prompt_BT.shape[0]
     seeds_B, fold_B, used = row_seeds(seed, len(ids), batch)
     stop_ids = tuple(dict.fromkeys(eos_ids(target, eos_token_id) + options.stop_token_ids))
@@ -289,7 +299,7 @@ def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: Sa
                        stop_ids_BS)
     lc = LoopConfig(target.cfg, not sampling.greedy, bucket(shaped_for), cache_len, target.attn_impl,
                     penalties=options.penalties.active, logprobs=options.logprobs)
-    return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, rows, lc, options, stop_ids)
+    return Request(ids, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, used, rows, lc, options, stop_ids, mesh)
 
 
 def eos_ids(target: Target, override: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -310,13 +320,15 @@ def compiled_for(target: Target, key: tuple, fn, args: tuple, static: dict) -> t
 
     The signature of every array argument (params included) is part of the cache key, so two drafters
     whose params differ in structure, shape, dtype or sharding get their own executables instead of a
-    type error.
+    type error. A target on a mesh compiles under it (models/sharding.py `use_mesh`: the caches allocated
+    inside the loop take their shardings from it).
     """
     full_key = (*key, params_signature(args))
     compile_s = 0.0
     if full_key not in target.compiled:
         start = time.perf_counter()
-        target.compiled[full_key] = fn.lower(*args, **static).compile()
+        with use_mesh(getattr(target, "mesh", None)):
+            target.compiled[full_key] = fn.lower(*args, **static).compile()
         compile_s = time.perf_counter() - start
     return target.compiled[full_key], compile_s
 
@@ -350,12 +362,23 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
     compile_s = 0.0
     if full_key not in target.compiled:  # the state's shapes (for advance) come from tracing start: once per key
         start_x, c1 = compiled_for(target, (*key, "start"), start, args, static)
-        probe = jax.eval_shape(lambda *a: start(*a, **static), *args)
+        with use_mesh(getattr(target, "mesh", None)):
+            shapes = jax.eval_shape(lambda *a: start(*a, **static), *args)
+        # advance is compiled for the state as start_x hands it back, shardings included (on a mesh XLA chose them);
+        # a state advance hands back in other shardings (XLA may choose others for small leaves) is moved to them
+        # first (device_put of a leaf already in place is a no-op)
+        state_shardings = start_x.output_shardings
+        probe = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes,
+                             state_shardings)
         advance_x, c2 = compiled_for(target, (*key, "advance"), advance, advance_args(probe, jnp.int32(0)), static)
-        target.compiled[full_key], compile_s = (start_x, advance_x), c1 + c2
-    start_x, advance_x = target.compiled[full_key]
-    run = ChunkedRun(lambda: start_x(*args), lambda state, until: advance_x(*advance_args(state, until)),
-                     host_reader, first_step, req.lc.out_len, texts or row_texts(target, req), req.stop_ids)
+        target.compiled[full_key], compile_s = (start_x, advance_x, state_shardings), c1 + c2
+    start_x, advance_x, state_shardings = target.compiled[full_key]
+
+    def advance_from(state, until):
+        return advance_x(*advance_args(jax.device_put(state, state_shardings), until))
+
+    run = ChunkedRun(lambda: start_x(*args), advance_from, host_reader, first_step, req.lc.out_len,
+                     texts or row_texts(target, req), req.stop_ids)
     return None, compile_s, 0.0, run
 
 

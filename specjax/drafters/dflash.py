@@ -68,6 +68,7 @@ from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache, write_layer
 from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
 from specjax.models.layers import normal, param, rms_norm, rope_inv_freq
+from specjax.models.sharding import constrain_cache
 from specjax.models.state import module_graph, shapes_of, to_params
 
 
@@ -134,8 +135,10 @@ class BlockBackbone(nnx.Module):
         return isinstance(self.layers, nnx.List)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """The drafter's own KV cache, lengths 0, in this backbone's layer layout (per-layer buffers or stacked)."""
-        return init_cache(self.cfg.layers, batch, max_len, per_layer=self.per_layer)
+        """The drafter's own KV cache, lengths 0, in this backbone's layer layout (per-layer buffers or stacked); under
+        a mesh the batch split over "data", the heads replicated as the backbone's weights are (models/sharding.py)."""
+        return constrain_cache(init_cache(self.cfg.layers, batch, max_len, per_layer=self.per_layer),
+                               split_heads=False)
 
     def context(self, features: Sequence[jax.Array]) -> jax.Array:
         """c = hidden_norm(fc(concat(taps))): [B, T, H] from the n taps [B, T, H] each, in target_layer_ids order."""

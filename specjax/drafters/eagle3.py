@@ -54,6 +54,7 @@ from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache
 from specjax.models.decoder import DecoderLayer
 from specjax.models.layers import cached_attention, causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.sharding import constrain_cache
 from specjax.models.state import merged, shapes_of, to_params
 
 LM_HEADS = ("own", "target", "target_embed")  # the head's own [H, Vd]; the target's lm_head; the target's tied table
@@ -279,8 +280,9 @@ def concat_features(features: Sequence[jax.Array]) -> jax.Array:
 
 
 def init_head_cache(cfg: Eagle3Config, batch: int, max_len: int) -> KVCache:
-    """The head's own KV cache: a [B, S, Hkv, D] buffer per layer, lengths 0."""
-    return init_cache(cfg.layer_cfg, batch, max_len, per_layer=True)
+    """The head's own KV cache: a [B, S, Hkv, D] buffer per layer, lengths 0; under a mesh the batch is split over
+    "data" and the heads replicated, as the head's weights are (models/sharding.py)."""
+    return constrain_cache(init_cache(cfg.layer_cfg, batch, max_len, per_layer=True), split_heads=False)
 
 
 # ---- the drafter: chains and trees -------------------------------------------------------------------------

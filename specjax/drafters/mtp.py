@@ -82,6 +82,7 @@ from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache
 from specjax.models.decoder import POST_NORM, DecoderLayer
 from specjax.models.layers import causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.sharding import constrain_cache
 from specjax.models.state import merged, shapes_of
 
 LAYOUTS = ("deepseek", "qwen3_next", "mimo")
@@ -240,8 +241,10 @@ def layer_shapes(target: ModelConfig, sparse: bool = False) -> dict:
 
 
 def init_head_cache(cfg: MtpConfig, batch: int, max_len: int) -> KVCache:
-    """One [B, S, Hkv, D] buffer per MTP layer, lengths 0."""
-    return init_cache(dataclasses.replace(cfg.block, num_layers=cfg.num_layers), batch, max_len, per_layer=True)
+    """One [B, S, Hkv, D] buffer per MTP layer, lengths 0; split like the target's under a mesh (the blocks are
+    target layers, sharded by the same rules)."""
+    return constrain_cache(init_cache(dataclasses.replace(cfg.block, num_layers=cfg.num_layers), batch, max_len,
+                                      per_layer=True))
 
 
 # ---- params: the stored (converted) form -> what the drafter runs ------------------------------------------

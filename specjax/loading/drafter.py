@@ -31,6 +31,7 @@ from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.mtp import MtpDrafter, mtp_config
 from specjax.loading.target import load
 from specjax.models.decoder import has_layer_list
+from specjax.models.sharding import abstract, param_shardings, place, replicated
 
 
 def drafter_family(path: str | Path) -> str:
@@ -113,7 +114,7 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             f"draft with the target itself (every draft accepted, each token paid twice). For MTP pass a directory of "
             f"MTP layers trained for this target (the shipped one: checkpoints/tiny/mtp, or specjax.embedded('mtp')); "
             f"for a draft model, a smaller model with the same tokenizer; or an EAGLE-3/DFlash/DSpark head")
-    model = load(path, attn_impl=attn_impl or target.attn_impl)
+    model = load(path, attn_impl=attn_impl or target.attn_impl, mesh=target_mesh(target))
     if mtp is not False and model.mtp is not None and _same_model(model, target):
         return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
     if mtp:
@@ -154,7 +155,7 @@ def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     """
 
     cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta)
-    params = jax.tree.map(jnp.asarray, host)
+    params = head_params(host, target)
     params.setdefault("embed", target.params["embed"])
     if cfg.lm_head == "target":
         params["lm_head"] = target.params["lm_head"]
@@ -178,7 +179,7 @@ def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
 
     cfg, host = load_dflash(path, target.cfg, dtype or target.cfg.dtype)
     cfg = dataclasses.replace(cfg, layers=_with_theta(cfg.layers, rope_theta))
-    block = jax.tree.map(jnp.asarray, host)
+    block = head_params(host, target)
     params = dflash_family.drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
     return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
 
@@ -197,8 +198,8 @@ def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
     cfg = dataclasses.replace(cfg, block=dataclasses.replace(cfg.block, layers=_with_theta(cfg.block.layers,
                                                                                            rope_theta)))
-    params = dspark_family.drafter_params(jax.tree.map(jnp.asarray, block), jax.tree.map(jnp.asarray, heads),
-                            has_layer_list(target.params))
+    params = dspark_family.drafter_params(head_params(block, target), head_params(heads, target),
+                                          has_layer_list(target.params))
     return DSparkDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
 
 
@@ -215,7 +216,25 @@ def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = N
                          "drafter; use a draft model, an EAGLE-3 head or NgramDrafter instead")
 
     check_stored(stored, target.cfg)
-    stored = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.dtype), stored)
+    mesh = target_mesh(target)
+    cast = np.asarray if mesh is not None else jnp.asarray  # on a mesh, placed below slice by slice
+    stored = jax.tree.map(lambda x: cast(x, jnp.dtype(target.cfg.dtype)), stored)
     cfg = mtp_config(target.cfg, stored)
-    return MtpDrafter(cfg, mtp_family.drafter_params(stored, target.params, target.cfg),
-                      attn_impl=attn_impl or target.attn_impl)
+    params = mtp_family.drafter_params(stored, target.params, target.cfg)
+    if mesh is not None:  # the MTP blocks are target layers: split by the same rules as the target's
+        params = place(params, param_shardings(mtp_family.head_of(cfg, abstract(params)), target.cfg, mesh))
+    return MtpDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
+
+
+def target_mesh(target):
+    """The mesh the target is split over (None: one device); its drafters follow it."""
+    return getattr(target, "mesh", None)
+
+
+def head_params(host: dict, target) -> dict:
+    """A small head's weights (EAGLE-3, DFlash, DSpark) on the device; on the target's mesh, replicated on every
+    device: a head is a few layers whose matmuls are too small to split (models/sharding.py)."""
+    mesh = target_mesh(target)
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, host)
+    return place(host, replicated(host, mesh))

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tokenizers import Tokenizer
 
 from specjax.config import ModelConfig
 from specjax.convert import checkpoint
 from specjax.convert.hf import load_hf
-from specjax.models.target import Target
+from specjax.models.model import merge
+from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh
+from specjax.models.target import Target, serving_layout
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -32,12 +35,17 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
-def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto") -> Target:
+def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto", mesh=None,
+         tensor_parallel: int | None = None, rules: dict | None = None) -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     dtype ("float32" | "bfloat16" | "float16") overrides the stored dtype.
     attn_impl: "xla", "pallas" or "auto" (Pallas on GPU, XLA elsewhere).
     layout: "auto", "stacked" or "per_layer" (see serving_layout).
+    mesh: a jax.sharding.Mesh with axes ("data", "model"): the weights split over "model" by
+    models/sharding.py's rules, the batch over "data"; each device reads only its slice of every weight.
+    tensor_parallel=n: the same over a (1, n) mesh of this process's first n devices.
+    rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
     """
     path = Path(path)
     if not path.exists():
@@ -46,18 +54,49 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     _check_dtype(dtype)
     if attn_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"attn_impl must be 'xla', 'pallas' or 'auto', got {attn_impl!r}")
+    mesh = resolve_mesh(mesh, tensor_parallel, rules)
     if checkpoint.is_checkpoint(path):
-        params, hf_config, meta = checkpoint.restore(path)
+        hf_config, meta = checkpoint.read_configs(path)
         cfg = ModelConfig.from_hf(hf_config, dtype=dtype or meta["dtype"])
-        params = jax.tree.map(lambda x: jnp.asarray(x, cfg.dtype), params)
+        if mesh is None:
+            params = jax.tree.map(lambda x: jnp.asarray(x, cfg.dtype), checkpoint.restore(path)[0])
+        else:
+            params = restore_sharded(path, cfg, mesh, rules)
     else:
-        hf_config, cfg, host_params = load_hf(path, dtype=dtype)
-        params = jax.tree.map(jnp.asarray, host_params)
+        hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None)
     generation = read_generation_config(path / "generation_config.json")
     cfg = with_generation_eos(cfg, generation, path / "generation_config.json")
     mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them
-    return Target(params, cfg, hf_config, _read_tokenizer(path), path, attn_impl, layout=layout, mtp=mtp,
-                  generation_config=generation)
+    if mtp is not None and mesh is not None:
+        mtp = jax.tree.map(np.asarray, mtp)  # the MTP drafter places them (sharded as its layers say)
+    params = serving_layout(params, layout, mixed=cfg.mixed_layers)
+    return Target(placed(params, cfg, mesh, rules), cfg, hf_config, _read_tokenizer(path), path, attn_impl,
+                  layout=layout, mtp=mtp, generation_config=generation, mesh=mesh)
+
+
+def target_shardings(params: dict, cfg: ModelConfig, mesh, rules: dict | None = None) -> dict:
+    """Each weight's NamedSharding on `mesh` by the rules (models/sharding.py), in the layout `params` are in."""
+    return param_shardings(merge(cfg, abstract(params)), cfg, mesh, rules)
+
+
+def placed(params: dict, cfg: ModelConfig, mesh, rules: dict | None = None) -> dict:
+    """The target's weights on the device (one device), or split over `mesh`, each device reading its slice."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, params)
+    return place(params, target_shardings(params, cfg, mesh, rules))
+
+
+def restore_sharded(path: Path, cfg: ModelConfig, mesh, rules: dict | None = None) -> dict:
+    """An orbax checkpoint restored straight into the target's shardings (in its stored layout; MTP layers
+    replicated, the MTP drafter splits them), cast to cfg's dtype: each device reads its own slices."""
+    stored = checkpoint.stored_shapes(path)
+    mtp = stored.pop("mtp", None)
+    shardings = target_shardings(stored, cfg, mesh, rules)
+    if mtp is not None:
+        stored["mtp"], shardings["mtp"] = mtp, replicated(mtp, mesh)
+    into = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.dtype(cfg.dtype), sharding=sharding),
+                        stored, shardings)
+    return checkpoint.restore(path, into)[0]
 
 
 def with_generation_eos(cfg: ModelConfig, generation: dict, file: Path) -> ModelConfig:

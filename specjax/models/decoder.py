@@ -43,6 +43,7 @@ from specjax.models.layers import (
     swiglu,
 )
 from specjax.models.moe import MoeMLP
+from specjax.models.sharding import constrain_cache
 
 POST_NORM = -1  # a `capture` entry: the final-normed hidden state (the lm_head's input)
 
@@ -227,8 +228,9 @@ class Decoder(nnx.Module):
         return isinstance(self.layers, nnx.List)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache in this model's layer layout (per-layer buffers for per-layer weights)."""
-        return init_cache(self.cfg, batch, max_len, per_layer=self.per_layer)
+        """An empty KV cache in this model's layer layout (per-layer buffers for per-layer weights), split like its
+        weights under the active mesh (models/sharding.py)."""
+        return constrain_cache(init_cache(self.cfg, batch, max_len, per_layer=self.per_layer))
 
     def forward(self, tokens_BT: jax.Array, cache: KVCache, *, positions_BT: jax.Array | None = None,
                 mask_BTT: jax.Array | None = None, capture: tuple[int, ...] = (), attn_impl: str = "auto",

@@ -37,6 +37,7 @@ from specjax.models.gdn import (
     recurrent_step,
 )
 from specjax.models.layers import causal_mask, normal, param, rms_norm, rope_inv_freq
+from specjax.models.sharding import constrain_cache
 
 
 class GatedDeltaNetLayer(PreNormMLP, nnx.Module):
@@ -141,8 +142,9 @@ class HybridDecoder(Decoder):
         self.lm_head = None if cfg.tie_word_embeddings else param(normal(rngs, (d, v), dtype, scale), "embed", "vocab")
 
     def init_cache(self, batch: int, max_len: int) -> HybridCache:
-        """An empty cache: per-layer K/V for the attention layers, zero conv windows and states for the rest."""
-        return init_hybrid_cache(self.cfg, batch, max_len)
+        """An empty cache: per-layer K/V for the attention layers, zero conv windows and states for the rest (split
+        like the weights under the active mesh, models/sharding.py)."""
+        return constrain_cache(init_hybrid_cache(self.cfg, batch, max_len))
 
     def forward(self, tokens_BT, cache: HybridCache, *, positions_BT=None, mask_BTT=None, capture=(),
                 attn_impl: str = "auto", slot=0, provisional: bool = False, num_valid_B=None):

@@ -22,14 +22,21 @@ def to_params(module: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(module))
 
 
+def abstract_module(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """`make()` with shapes for weights (nnx.eval_shape). Outside any mesh, even when traced under one (a loop for a
+    target on a mesh): under a mesh, eval_shape would read the weights' logical axis names as mesh axes."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.eval_shape(make)
+
+
 def graph_of(make: Callable[[], nnx.Module]) -> nnx.GraphDef:
     """The graph of the module `make()` builds, without making its weights (shapes only)."""
-    return nnx.split(nnx.eval_shape(make))[0]
+    return nnx.split(abstract_module(make))[0]
 
 
 def shapes_of(make: Callable[[], nnx.Module]) -> dict:
     """The shape of every variable `make()` would create, as a nested dict of tuples."""
-    return jax.tree.map(lambda x: tuple(x.shape), to_params(nnx.eval_shape(make)))
+    return jax.tree.map(lambda x: tuple(x.shape), to_params(abstract_module(make)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,4 +1,5 @@
-"""A loaded target model: params on the device, its config, tokenizer, and compiled loops (loading/ builds it)."""
+"""A loaded target model: params on the device (or split over a mesh), its config, tokenizer, and compiled loops
+(loading/ builds it)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Target:
     layout: str = "auto"  # "auto" | "stacked" | "per_layer": see serving_layout
     mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
     generation_config: dict = dataclasses.field(default_factory=dict)  # generation_config.json: sampling defaults
+    mesh: Any = None  # the ("data", "model") jax Mesh the params are split over (models/sharding.py); None: one device
 
     def __post_init__(self):
         self.params = serving_layout(self.params, self.layout, mixed=self.cfg.mixed_layers)
@@ -53,7 +55,8 @@ class Target:
     def __repr__(self) -> str:
         """One line of facts (not the weights and tokenizer the dataclass repr would dump)."""
         path = f", path='{self.path}'" if self.path is not None else ""
-        return f"Target({model_summary(self.cfg, self.attn_impl)}{path})"
+        mesh = f", mesh={dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))}" if self.mesh is not None else ""
+        return f"Target({model_summary(self.cfg, self.attn_impl)}{mesh}{path})"
 
 
 def model_summary(cfg: ModelConfig, attn_impl: str) -> str:
