@@ -22,7 +22,7 @@ from specjax.config import PenaltyConfig, SamplingConfig, per_row
 from specjax.decoding.decode import LoopConfig, RowSettings
 from specjax.decoding.penalties import RowPenalties
 from specjax.decoding.sampling import RowSampling
-from specjax.decoding.stream import ChunkedRun, RowText, finish_reason, host_reader
+from specjax.decoding.stream import ChunkedRun, RowText, finish_reason
 from specjax.models.sharding import axis_size, place_batch, use_mesh
 from specjax.models.target import Target
 
@@ -377,7 +377,7 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
     def advance_from(state, until):
         return advance_x(*advance_args(jax.device_put(state, state_shardings), until))
 
-    run = ChunkedRun(lambda: start_x(*args), advance_from, host_reader, first_step, req.lc.out_len,
+    run = ChunkedRun(lambda: start_x(*args), advance_from, first_step, req.lc.out_len,
                      texts or row_texts(target, req), req.stop_ids)
     return None, compile_s, 0.0, run
 

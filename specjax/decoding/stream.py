@@ -84,13 +84,13 @@ class RowText:
 class ChunkedRun:
     """Drive a loop's start/advance executables chunk by chunk, tracking every row's text and stops.
 
-    start() -> state; advance(state, until) -> state; read(state) -> (out_BO, count_B, done_B) as numpy. Iterating
+    start() -> state; advance(state, until) -> state (the state donated). Iterating
     yields the StreamChunks of each chunk; afterwards `state` is the final loop state and `kept` the tokens each
     row keeps (a stop string may end a row before its last emitted token)."""
 
-    def __init__(self, start: Callable, advance: Callable, read: Callable, first_step: int, out_len: int,
-                 rows: list[RowText], stop_ids: tuple[int, ...]):
-        self.start, self.advance, self.read = start, advance, read
+    def __init__(self, start: Callable, advance: Callable, first_step: int, out_len: int, rows: list[RowText],
+                 stop_ids: tuple[int, ...]):
+        self.start, self.advance = start, advance
         self.step, self.out_len = first_step, out_len
         self.rows, self.stop_ids = rows, set(stop_ids)
         self.state: Any = None
@@ -98,23 +98,38 @@ class ChunkedRun:
         self.finished = [False] * len(rows)
 
     def __iter__(self) -> Iterator[list[StreamChunk]]:
+        """Pipelined: the next chunk is dispatched before this one's tokens are read (from a snapshot of the buffers
+        taken after it), so the device runs while the host waits for, detokenises and hands out the last chunk. A
+        row a stop string ended is marked done in the state the next dispatch gets; what it emitted past the stop
+        meanwhile is dropped, and the loop may run one chunk more than needed (a no-op once every row is done)."""
         clock = time.perf_counter()
         self.state = self.start()
-        yield self._take()
+        snap = _snapshot(self.state)
         steps = 1
-        while not all(self.finished) and self.step < self.out_len:
+        while True:
             begin = time.perf_counter()
-            self.step = min(self.step + steps, self.out_len)
-            self.state = self.advance(self.state, jnp.int32(self.step))
-            chunks = self._take()
+            more = not all(self.finished) and self.step < self.out_len
+            if more:
+                self.step = min(self.step + steps, self.out_len)
+                self.state = self.advance(self.state, jnp.int32(self.step))
+                next_snap = _snapshot(self.state)
+            chunks, stopped = self._take(snap)
+            if stopped:
+                done_B = np.zeros(len(self.state.done_B), bool)
+                done_B[stopped] = True
+                self.state = dataclasses.replace(self.state, done_B=self.state.done_B | jnp.asarray(done_B))
+            yield chunks
+            if not more:
+                break
+            snap = next_snap
             if time.perf_counter() - begin < CHUNK_TARGET_S:
                 steps = min(CHUNK_GROWTH * steps, MAX_CHUNK_STEPS)
-            yield chunks
         self.run_s = time.perf_counter() - clock
 
-    def _take(self) -> list[StreamChunk]:
-        """Read the loop's outputs, push each row's new tokens, mark rows a stop string ended, hand out chunks."""
-        out_BO, count_B, done_B = self.read(self.state)
+    def _take(self, snap) -> tuple[list[StreamChunk], list[int]]:
+        """Read a snapshot of the loop's outputs, push each row's new tokens, hand out chunks: (chunks, the rows a
+        stop string ended now)."""
+        out_BO, count_B, done_B = (np.asarray(x) for x in snap)
         stopped_now = []
         chunks = []
         for i, row in enumerate(self.rows):
@@ -130,11 +145,7 @@ class ChunkedRun:
             if tokens or text or self.finished[i]:
                 reason = finish_reason(row.tokens, row.stop_reason, self.stop_ids)[0] if self.finished[i] else None
                 chunks.append(StreamChunk(i, tokens, text, reason))
-        if stopped_now:
-            done = np.asarray(done_B).copy()
-            done[stopped_now] = True
-            self.state = dataclasses.replace(self.state, done_B=jnp.asarray(done))
-        return chunks
+        return chunks, stopped_now
 
     @property
     def kept(self) -> np.ndarray:
@@ -151,6 +162,12 @@ def finish_reason(tokens: list[int], stop_string: str | None, stop_ids) -> tuple
     return "length", None
 
 
-def host_reader(state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(out_BO, count_B, done_B) of a loop state, fetched together."""
-    return tuple(np.asarray(x) for x in jax.device_get((state.out_BO, state.count_B, state.done_B)))
+@jax.jit
+def _copy(out_BO, count_B, done_B):
+    """Copies of a state's output buffers (the state itself is donated to the next chunk)."""
+    return out_BO, count_B, done_B
+
+
+def _snapshot(state):
+    """The buffers the host reads, copied on the device (dispatched, not waited for)."""
+    return _copy(state.out_BO, state.count_B, state.done_B)
