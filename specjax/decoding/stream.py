@@ -6,8 +6,9 @@ detokenised incrementally (tokenizers' DecodeStream, whose pieces concatenate to
 searched for stop strings as vLLM does (vllm/v1/engine/detokenizer.py): only once a row has more than
 min_tokens tokens, each new piece searched together with the stop string's length before it, the first
 stop string of the list found wins, the text cut before it (or after it with include_stop_str_in_output)
-and the token ids kept up to the token that completed it. A stopped row is marked done in the loop state,
-so the device stops advancing it at the next chunk; what it emitted past the stop is dropped here.
+and the token ids kept up to the token that completed it. A stopped row is marked done in the loop state the
+next dispatch gets (chunks are pipelined, so one more chunk may already run); what it emitted past the stop is
+dropped here.
 """
 
 from __future__ import annotations
