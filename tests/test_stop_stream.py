@@ -129,13 +129,27 @@ def test_min_tokens_holds_back_eos_and_stop_strings(target, plain):
     assert stop.tokens == [plain.tokens[1]] and stop.finish_reasons == ["length"]
 
 
-def test_texts_skip_special_tokens_unless_asked(target):
+def test_texts_skip_special_tokens_unless_asked(target, plain):
+    """A row that ends on EOS (a special token): its text leaves it out by default and keeps it with
+    skip_special_tokens=False, through both text paths (the whole loop's request.decode_texts, a chunked run's
+    stream.RowText); generate hands the flag to both."""
     eos = target.cfg.eos_token_ids[0]
-    prompt = [target.encode("x = 1")]
-    out = specjax.generate(target, prompt, max_new_tokens=4, eos_token_id=[], stop_token_ids=[])
-    forced = out.tokens[0][:2] + [eos]
-    assert target.decode(forced) == target.decode(forced[:2])  # EOS is a special token: not in the text
-    assert target.decode(forced, skip_special_tokens=False) != target.decode(forced[:2])
+    row = plain.tokens[1]
+    for extra in ({}, {"stop": ["\u2603"]}):  # a stop string that never occurs: the chunked path, same output
+        out = specjax.generate(target, PROMPTS[1:2], max_new_tokens=8, eos_token_id=[], skip_special_tokens=False,
+                               **extra)
+        assert out.texts == [target.decode(row[:8], skip_special_tokens=False)]
+    from specjax.decoding.request import decode_texts
+    from specjax.decoding.stream import RowText
+
+    ids = row[:3] + [eos]
+    for skip in (True, False):
+        whole = decode_texts(target, [ids], skip)[0]
+        text = RowText(target, (), False, skip, 0)
+        for t in ids:
+            text.push(t)
+        assert text.text == whole
+        assert (whole == target.decode(row[:3])) == skip  # the EOS text appears only when not skipped
 
 
 @pytest.mark.parametrize("kind", ["plain", "chain", "tree"])

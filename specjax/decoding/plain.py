@@ -42,10 +42,6 @@ def plain_generate(target: Target, prompts: Sequence, *, max_new_tokens: int, sa
     req = prepare(target, prompts, max_new_tokens, sampling, eos_token_id, max_len, seed, token_bucket=token_bucket,
                   options=options)
     outputs, compile_s, run_s, run = plain_run(target, req)
-    if run is not None:
-        for _ in run:
-            pass
-        outputs, run_s = run.state, run.run_s
     result, steps = plain_result(req, outputs)
     return finish(target, req, result, compile_s, run_s,
                   {"acceptance_length": 1.0, "drafter_calls": 0, "rounds": steps, **(extra or {})},

@@ -353,8 +353,9 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
     """Run a loop whole (`whole`, one executable) or, with stop strings or a stream, chunk by chunk.
 
     whole(*args) -> outputs; start(*args) -> state; advance(*advance_args(state, until)) -> state. Returns
-    (outputs or final state, compile_s, run_s, the ChunkedRun or None). `texts` given: the chunks are yielded
-    through the ChunkedRun, which the caller iterates (streaming)."""
+    (outputs or final state, compile_s, run_s, the ChunkedRun or None). Without `texts` a chunked run (stop strings)
+    is run to its end here; with them (streaming) the caller iterates the ChunkedRun, and the state and run_s are
+    the ChunkedRun's once it has."""
     if texts is None and not req.chunked:
         result, compile_s, run_s = run_compiled(target, (*key, "whole"), whole, args, static)
         return result, compile_s, run_s, None
@@ -379,7 +380,10 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
 
     run = ChunkedRun(lambda: start_x(*args), advance_from, first_step, req.lc.out_len,
                      texts or row_texts(target, req), req.stop_ids)
-    return None, compile_s, 0.0, run
+    if texts is None:
+        for _ in run:
+            pass
+    return run.state, compile_s, run.run_s, run
 
 
 @dataclasses.dataclass

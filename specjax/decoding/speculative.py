@@ -269,10 +269,6 @@ def speculative_generate(target: Target, prompts: Sequence, drafter: Drafter, *,
                   draft_nodes=spec.cache_slots, token_bucket=token_bucket, options=options)
     runner = spec_runner(target, req, drafter, spec, scheduler, scheduler_cost)
     outputs, compile_s, run_s, run = runner.run()
-    if run is not None:
-        for _ in run:
-            pass
-        outputs, run_s = run.state, run.run_s
     return runner.finish(outputs, compile_s, run_s, run)
 
 
