@@ -7,10 +7,11 @@ import logging
 import jax
 
 from .reference import tree_attention_reference
+from .sharded import sharded_tree_attention
 from .tree_attention import BlockPlan, kernel_unsupported_reason, plan_blocks, tree_attention
 
-__all__ = ["attention", "tree_attention", "tree_attention_reference", "plan_blocks", "BlockPlan",
-           "kernel_unsupported_reason"]
+__all__ = ["attention", "tree_attention", "sharded_tree_attention", "tree_attention_reference", "plan_blocks",
+           "BlockPlan", "kernel_unsupported_reason"]
 
 IMPLS = ("auto", "xla", "pallas")
 logger = logging.getLogger("specjax")
@@ -31,7 +32,7 @@ def _warn_fallback_once(reason: str) -> None:
 
 
 def attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, impl: str = "auto",
-              sm_scale=None, layer=None, finite_cache=False):
+              sm_scale=None, layer=None, finite_cache=False, mesh=None):
     """Tree attention through the chosen implementation; one signature for all of them.
 
     impl="auto": the Pallas kernel on a GPU when the shapes suit it (head_dim a power of 2
@@ -40,6 +41,9 @@ def attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, impl: str = "auto"
     interpret mode (slow; for tests).
     finite_cache: see tree_attention_reference (the kernel never reads past
     min(lengths + N, S) anyway).
+    mesh: the device mesh the trace runs under (axes "data", "model"), or None: with more than one
+    device the kernel runs under shard_map, one per device over its rows and kv heads (sharded.py);
+    the reference needs nothing, XLA's partitioner splits it.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
@@ -53,5 +57,8 @@ def attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, impl: str = "auto"
     if not use_kernel:
         return tree_attention_reference(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN,
                                         sm_scale=sm_scale, layer=layer, finite_cache=finite_cache)
+    if mesh is not None and mesh.size > 1:
+        return sharded_tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, mesh=mesh, layer=layer,
+                                      sm_scale=sm_scale, interpret=not gpu)
     return tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, sm_scale=sm_scale,
                           layer=layer, interpret=not gpu)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEVICES = 8
-PARTS = ("dense", "heads", "hybrid", "moe")
+PARTS = ("dense", "heads", "hybrid", "moe", "kernel")
 
 
 def run_part(part: str, workdir: Path, timeout: int = 900) -> tuple[dict, float]:
@@ -365,6 +365,109 @@ def part_moe(work: Path, checks: Checks) -> None:
         split_check(checks, f"moe/{name}/attention wq split", target.params["layers"][0]["wq"], 1, 8, mesh)
 
 
+# ---- part "kernel": the Pallas kernel under shard_map (interpret mode), and the TP-8 loop lowered for CUDA --------
+
+
+def part_kernel(work: Path, checks: Checks) -> None:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from hf_tiny import build_hf_model, save_hf_model
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import specjax
+    import specjax.kernels
+    from specjax.kernels import sharded_tree_attention, tree_attention_reference
+    from specjax.models.sharding import check_mesh, use_mesh
+
+    # The kernel alone: on TP 8 (8 kv heads: split), DP 2 x TP 4 (rows and heads split), TP 8 over 4 kv heads (heads
+    # whole on every device), one layer and a stacked cache indexed by a layer; equal to the XLA reference.
+    rng = np.random.default_rng(0)
+    for name, (mesh, _) in meshes().items():
+        mesh = check_mesh(mesh)  # Auto axes, as load() keeps them
+        for kv_heads, stacked in ((8, False), (4, True)):
+            b, n, s, d, g = 4, 5, 32, 16, 2
+            q = rng.standard_normal((b, n, kv_heads * g, d), np.float32)
+            kv_shape = (3, b, s, kv_heads, d) if stacked else (b, s, kv_heads, d)
+            k, v = (rng.standard_normal(kv_shape, np.float32) for _ in range(2))
+            lengths = np.array([0, 7, 20, 27], np.int32)
+            mask = np.tril(np.ones((n, n), bool))[None].repeat(b, 0)
+            mask[1, 3, 1] = False  # a tree, not a chain
+            layer = 2 if stacked else None
+            want = tree_attention_reference(q, k, v, lengths, mask, layer=layer)
+            with use_mesh(mesh):
+                got = jax.jit(lambda *a: sharded_tree_attention(*a, mesh=mesh, layer=layer, interpret=True))(
+                    q, k, v, lengths, mask)
+            err = float(np.max(np.abs(np.asarray(got) - np.asarray(want))))
+            checks.add(f"kernel/{name}/{kv_heads} kv heads{' stacked' if stacked else ''} equals the reference",
+                       err < 1e-4, f"max abs error {err}")
+
+    # The loops with attn_impl="pallas" (the kernel interpreted, under shard_map in every layer): greedy tokens equal
+    # one device's XLA-attention plain decoding, plain and speculative, on the stacked (accelerator) layout.
+    target_dir = save_hf_model(build_hf_model("llama", seed=9, num_attention_heads=8, num_key_value_heads=8,
+                                              head_dim=16, num_hidden_layers=2, intermediate_size=128), work / "kernel_target")
+    draft_dir = save_hf_model(build_hf_model("llama", seed=10, num_hidden_layers=1, hidden_size=32,
+                                             head_dim=16, intermediate_size=64), work / "kernel_draft")  # 2 kv heads
+    prompts = prompts_for(256)
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    want = specjax.generate(load_on(target_dir, None, attn_impl="xla"), prompts, **kw).tokens
+    for name in ("tp8", "dp2_tp4"):
+        target = load_on(target_dir, meshes()[name][0], attn_impl="pallas", layout="stacked")
+        drafter = specjax.load_drafter(draft_dir, target)
+        got = {"plain": specjax.generate(target, prompts, **kw).tokens,
+               "draft tree": specjax.generate(target, prompts, drafter=drafter, tree="kary:2,1", **kw).tokens}
+        for kind, tokens in got.items():
+            checks.same(f"kernel/{name}/pallas {kind} equals one device", tokens, want)
+
+    # A Llama-3-8B-shaped speculative loop at TP 8, weights as sharded shapes only, lowered for CUDA: the Triton
+    # kernel is inside a shard_map (its manual computation), and the module is partitioned 8 ways.
+    from test_gpu_path import TRITON_CALL, abstract_request, llama3_8b_shaped
+
+    from specjax.decoding.decode import LoopConfig
+    from specjax.decoding.drafter import Settings
+    from specjax.decoding.speculative import spec_generate
+    from specjax.decoding.tree import kary
+    from specjax.drafters import DraftModelDrafter
+    from specjax.loading.target import target_shardings
+    from specjax.models.model import param_shapes
+
+    mesh = meshes()["tp8"][0]
+    specjax.kernels.on_gpu = lambda: True  # attention takes the compiled kernel, as on a GPU (this process only)
+
+    def sharded_shapes(cfg):
+        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), param_shapes(cfg),
+                              is_leaf=lambda x: isinstance(x, tuple))
+        shardings = target_shardings(shapes, cfg, mesh)
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+
+    def replicated_args(args):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), args)
+
+    cfg = llama3_8b_shaped(layers=2, dtype="bfloat16")
+    draft_cfg = dataclasses.replace(cfg, hidden_size=2048, intermediate_size=8192, num_layers=1, head_dim=64)
+    lc = LoopConfig(cfg, False, out_len=32, cache_len=256, attn_impl="auto")
+    drafter = DraftModelDrafter(draft_cfg, None, attn_impl="auto").configure(
+        Settings(kary([3, 2]), lc.drafting, lc.cache_len, lc.out_len))
+    params = sharded_shapes(cfg)
+    checks.same("kernel/lowering/wq split 8 ways", tuple(params["layers"]["wq"].sharding.spec), (None, None, "model"))
+    with use_mesh(mesh):
+        lowered = spec_generate.trace(params, sharded_shapes(draft_cfg), *replicated_args(abstract_request(8, 64)),
+                                      lc=lc, drafter=drafter).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    checks.add("kernel/lowering/triton kernel in the TP-8 loop", text.count(TRITON_CALL) >= 2,
+               f"{text.count(TRITON_CALL)} Triton calls")
+    checks.add("kernel/lowering/kernel under shard_map", "manual_computation" in text or "SPMDFullToShardShape" in text)
+    checks.add("kernel/lowering/partitioned 8 ways", "mhlo.num_partitions = 8" in text)
+    # inside the shard_map each device's kernel reads its one kv head of the stacked cache [L, B, S, 1, D]
+    calls = [line for line in text.splitlines() if TRITON_CALL in line]
+    local_kv = f"tensor<{cfg.num_layers}x8x{lc.cache_len}x1x{cfg.head_dim}xbf16>"
+    checks.add("kernel/lowering/kernel reads one kv head per device", any(local_kv in line for line in calls),
+               calls[0][-400:] if calls else "no call")
+
+
 def main(part: str, workdir: str) -> None:
     import jax
 
@@ -375,7 +478,8 @@ def main(part: str, workdir: str) -> None:
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     checks = Checks()
-    {"dense": part_dense, "heads": part_heads, "hybrid": part_hybrid, "moe": part_moe}[part](work, checks)
+    {"dense": part_dense, "heads": part_heads, "hybrid": part_hybrid, "moe": part_moe,
+     "kernel": part_kernel}[part](work, checks)
     print(json.dumps({"checks": checks.results, "seconds": time.perf_counter() - start}))
 
 

@@ -23,7 +23,7 @@ from specjax.config import ModelConfig
 from specjax.decoding.request import batch_bucket
 from specjax.loading.embedded import embedded
 from specjax.models.model import init_params, merge
-from specjax.models.sharding import EXPERT_PARALLEL, abstract, attention_impl, logical_axes, partition_spec
+from specjax.models.sharding import EXPERT_PARALLEL, abstract, logical_axes, partition_spec
 
 TP8 = AbstractMesh((1, 8), ("data", "model"))
 DP2_TP4 = AbstractMesh((2, 4), ("data", "model"))
@@ -78,15 +78,6 @@ def test_batch_bucket_is_a_multiple_of_the_data_parallel_size():
     assert [batch_bucket(n) for n in (1, 3, 5)] == [1, 4, 8]
     assert [batch_bucket(n, 2) for n in (1, 3, 5)] == [2, 4, 8]
     assert [batch_bucket(n, 3) for n in (1, 3, 5)] == [3, 6, 9]
-
-
-def test_auto_attention_takes_the_xla_reference_under_a_mesh():
-    """The Pallas kernel is one custom call XLA cannot split: under a mesh "auto" takes the reference."""
-    assert attention_impl("auto") == "auto"
-    with jax.sharding.use_abstract_mesh(TP8):
-        assert attention_impl("auto") == "xla" and attention_impl("pallas") == "pallas"
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1, 1), ("data", "model"))):
-        assert attention_impl("auto") == "auto"
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------

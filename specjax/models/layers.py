@@ -17,7 +17,7 @@ from jax import lax
 from specjax.config import RopeConfig
 from specjax.kernels import attention
 from specjax.models.cache import write_layer
-from specjax.models.sharding import attention_impl
+from specjax.models.sharding import active_mesh
 
 
 def param(value: jax.Array, *axes: str | None) -> nnx.Param:
@@ -129,6 +129,6 @@ def cached_attention(q_BKHD, k_BKGD, v_BKGD, k_cache, v_cache, layer, base_B, ma
         q_BKHD = lax.dynamic_update_slice(jnp.zeros((b, r, *q_BKHD.shape[2:]), q_BKHD.dtype), q_BKHD,
                                           (0, slot, 0, 0))
     # specjax caches start as zeros and only ever hold computed K/V: never NaN past a row's tokens.
-    o = attention(q_BKHD, k_cache, v_cache, base_B, mask_BKR, layer=layer, impl=attention_impl(attn_impl),
+    o = attention(q_BKHD, k_cache, v_cache, base_B, mask_BKR, layer=layer, impl=attn_impl, mesh=active_mesh(),
                   finite_cache=True)
     return (lax.dynamic_slice_in_dim(o, slot, k, axis=1) if windowed else o), k_cache, v_cache

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 
 import jax
 import numpy as np
@@ -31,8 +30,6 @@ from specjax.config import ModelConfig
 from specjax.models.cache import HybridCache, KVCache
 
 MESH_AXES = ("data", "model")
-logger = logging.getLogger("specjax")
-_logged_xla_under_mesh: list[bool] = []  # attention_impl's one log line
 
 # logical axis name -> mesh axis (None: replicated). Names not listed are replicated too.
 RULES: dict[str, str | None] = {
@@ -228,20 +225,6 @@ def active_mesh():
     if mesh.empty or sorted(mesh.axis_names) != sorted(MESH_AXES):
         return None
     return mesh
-
-
-def attention_impl(impl: str) -> str:
-    """The attention implementation a layer runs: "auto" under a mesh of several devices takes the XLA reference,
-    which the partitioner splits by heads and batch; the Pallas kernel is one custom call it cannot split (it would
-    gather the whole cache onto every device) until the kernel runs under shard_map. Logged once."""
-    mesh = active_mesh()
-    if impl != "auto" or mesh is None or mesh.size == 1:
-        return impl
-    if not _logged_xla_under_mesh:
-        _logged_xla_under_mesh.append(True)
-        logger.info("attn_impl='auto' under a device mesh: the XLA reference attention (the Pallas kernel does not "
-                    "run under a mesh yet)")
-    return "xla"
 
 
 def split(dim: int, axis: str, mesh) -> str | None:
