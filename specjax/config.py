@@ -107,6 +107,9 @@ class MoeConfig:
     shared_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[int, ...] = ()
     impl: str = "auto"  # the expert path (models/moe.py): "auto" by tokens per pass, "gather", "sorted", "ragged"
+    # whole experts per device on a mesh (load sets it when its rules split the experts over "model"): each device
+    # runs the slots of its own experts under shard_map (models/moe.py expert_parallel_experts)
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.impl not in MOE_IMPLS:

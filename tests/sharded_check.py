@@ -351,7 +351,10 @@ def part_moe(work: Path, checks: Checks) -> None:
         got = {"plain": gen(target), "ngram": gen(target, NgramDrafter(), num_draft_tokens=3)}
         if full:
             expert_parallel = load_on(moe_dir, mesh, rules=EXPERT_PARALLEL)
-            got.update(sampled_plain=gen(target, **sampled), expert_parallel_plain=gen(expert_parallel))
+            got.update(sampled_plain=gen(target, **sampled), expert_parallel_plain=gen(expert_parallel),
+                       expert_parallel_ngram=gen(expert_parallel, NgramDrafter(), num_draft_tokens=3))
+            checks.add(f"moe/{name}/expert parallel runs whole experts per device under shard_map",
+                       expert_parallel.cfg.moe.expert_parallel and not target.cfg.moe.expert_parallel)
             ep = expert_parallel.params["layers"][0]["moe"]
             split_check(checks, f"moe/{name}/expert parallel w_gate", ep["w_gate"], 0, 8, mesh)
             split_check(checks, f"moe/{name}/expert parallel w_down", ep["w_down"], 0, 8, mesh)

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 import specjax
 from specjax.config import ModelConfig
 from specjax.models.model import merge
-from specjax.models.moe import EXPERT_PATHS, block_rows, route
+from specjax.models.moe import EXPERT_PATHS, block_rows, route, sorted_experts
 
 LOGIT_ATOL = 1e-4
 ARCHS = [("qwen3_moe", "causal_lm"), ("qwen3_5_moe", "causal_lm"), ("qwen3_5_moe", "conditional"),
@@ -107,6 +107,31 @@ def test_expert_paths_equal_every_expert_on_every_token(tokens, one_expert):
     for name, fn in EXPERT_PATHS.items():
         np.testing.assert_allclose(np.asarray(jax.jit(fn)(x, weights, experts, w_gate, w_up, w_down)),
                                    np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 50])
+def test_expert_parallel_shares_sum_to_the_whole(tokens):
+    """Expert parallelism's local step on one device: with the experts split into 4 devices' quarters, each quarter
+    running only the slots routed to it (sorted_experts with kept_NK), the four shares sum to every expert's output;
+    a quarter no slot reaches gives zeros (all its slots dropped)."""
+    e, k, d, i, n = 8, 2, 16, 12, 4
+    keys = jax.random.split(jax.random.key(tokens), 5)
+    x = jax.random.normal(keys[0], (tokens, d))
+    w_gate, w_up = (jax.random.normal(key, (e, d, i)) / d ** 0.5 for key in keys[1:3])
+    w_down = jax.random.normal(keys[3], (e, i, d)) / i ** 0.5
+    weights, experts = route(x, jax.random.normal(keys[4], (d, e)), k, True)
+    want = sorted_experts(x, weights, experts, w_gate, w_up, w_down)
+    shares = []
+    for device in range(n):
+        part = slice(device * e // n, (device + 1) * e // n)
+        local = experts - part.start
+        kept = (local >= 0) & (local < e // n)
+        share = jax.jit(sorted_experts)(x, weights, jnp.where(kept, local, 0), w_gate[part], w_up[part], w_down[part],
+                                        kept)
+        if not kept.any():
+            assert not np.asarray(share).any()
+        shares.append(share)
+    np.testing.assert_allclose(np.asarray(sum(shares)), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_generation_matches_transformers(pair):

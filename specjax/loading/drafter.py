@@ -114,7 +114,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             f"draft with the target itself (every draft accepted, each token paid twice). For MTP pass a directory of "
             f"MTP layers trained for this target (the shipped one: checkpoints/tiny/mtp, or specjax.embedded('mtp')); "
             f"for a draft model, a smaller model with the same tokenizer; or an EAGLE-3/DFlash/DSpark head")
-    model = load(path, attn_impl=attn_impl or target.attn_impl, mesh=target_mesh(target))
+    model = load(path, attn_impl=attn_impl or target.attn_impl, mesh=target_mesh(target),
+                 rules=getattr(target, "rules", None) if target_mesh(target) is not None else None)
     if mtp is not False and model.mtp is not None and _same_model(model, target):
         return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
     if mtp:
@@ -222,7 +223,8 @@ def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = N
     cfg = mtp_config(target.cfg, stored)
     params = mtp_family.drafter_params(stored, target.params, target.cfg)
     if mesh is not None:  # the MTP blocks are target layers: split by the same rules as the target's
-        params = place(params, param_shardings(mtp_family.head_of(cfg, abstract(params)), target.cfg, mesh))
+        params = place(params, param_shardings(mtp_family.head_of(cfg, abstract(params)), target.cfg, mesh,
+                                               getattr(target, "rules", None)))
     return MtpDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
 
 

@@ -21,7 +21,7 @@ from specjax.config import ModelConfig
 from specjax.convert import checkpoint
 from specjax.convert.hf import load_hf
 from specjax.models.model import merge
-from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh
+from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh, with_expert_parallel
 from specjax.models.target import Target, serving_layout
 
 
@@ -70,8 +70,9 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     if mtp is not None and mesh is not None:
         mtp = jax.tree.map(np.asarray, mtp)  # the MTP drafter places them (sharded as its layers say)
     params = serving_layout(params, layout, mixed=cfg.mixed_layers)
+    cfg = with_expert_parallel(cfg, mesh, rules)
     return Target(placed(params, cfg, mesh, rules), cfg, hf_config, _read_tokenizer(path), path, attn_impl,
-                  layout=layout, mtp=mtp, generation_config=generation, mesh=mesh)
+                  layout=layout, mtp=mtp, generation_config=generation, mesh=mesh, rules=rules)
 
 
 def target_shardings(params: dict, cfg: ModelConfig, mesh, rules: dict | None = None) -> dict:

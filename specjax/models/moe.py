@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from specjax import kernels
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
+from specjax.models.sharding import active_mesh, axis_size, split
 
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
 # batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU both run the same
@@ -109,13 +111,18 @@ def block_rows(slots: int, experts: int, rows_per_read: int | None = None) -> in
     return rows
 
 
-def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
-    """The same as gather_experts, the slots sorted by expert into one-expert blocks of `block_rows` rows."""
+def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID, kept_NK=None) -> jax.Array:
+    """The same as gather_experts, the slots sorted by expert into one-expert blocks of `block_rows` rows.
+
+    kept_NK (bool, optional): only these slots run; the others are never placed in a block and add nothing
+    (expert parallelism: a device runs the slots routed to its own experts)."""
     n, k = experts_NK.shape
     e, s = w_gate_EDI.shape[0], n * k
     rows = block_rows(s, e)
     num_blocks = min(s, -(-s // rows) + e)
     flat_S = experts_NK.reshape(-1)
+    if kept_NK is not None:  # a dropped slot takes expert id e: sorted after every kept one, counted by no expert
+        flat_S = jnp.where(kept_NK.reshape(-1), flat_S, e)
     order_S = jnp.argsort(flat_S, stable=True)
     expert_S = flat_S[order_S]
     counts_E = jnp.bincount(flat_S, length=e)
@@ -123,14 +130,38 @@ def sorted_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     first_block_E, first_slot_E = jnp.cumsum(blocks_E) - blocks_E, jnp.cumsum(counts_E) - counts_E
     rank_S = jnp.arange(s) - first_slot_E[expert_S]  # the slot's place among its expert's slots
     dest_S = (first_block_E[expert_S] + rank_S // rows) * rows + rank_S % rows
-    x_BRD = jnp.zeros((num_blocks * rows, x_ND.shape[1]), x_ND.dtype).at[dest_S].set(x_ND[order_S // k])
+    dest_S = jnp.where(expert_S < e, dest_S, num_blocks * rows)  # dropped slots: past the last row
+    x_BRD = jnp.zeros((num_blocks * rows, x_ND.shape[1]), x_ND.dtype).at[dest_S].set(x_ND[order_S // k],
+                                                                                       mode="drop")
     # each block's expert; blocks past the last used one hold zero rows (any expert: the last; skipped on the CPU)
     used_blocks = jnp.sum(blocks_E)
     expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(num_blocks), side="right"), e - 1)
     out_BRD = expert_matmuls(x_BRD.reshape(num_blocks, rows, -1), expert_B, w_gate_EDI, w_up_EDI, w_down_EID,
                              used_blocks)
-    out_SD = out_BRD.reshape(num_blocks * rows, -1)[dest_S] * weights_NK.reshape(-1)[order_S][:, None]
+    out_SD = jnp.take(out_BRD.reshape(num_blocks * rows, -1), dest_S, axis=0, mode="fill", fill_value=0)
+    out_SD = out_SD * weights_NK.reshape(-1)[order_S][:, None]
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[order_S // k].add(out_SD)
+
+
+def expert_parallel_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID, mesh) -> jax.Array:
+    """sorted_experts with whole experts per device (the expert tensors split on E over the mesh's "model" axis):
+    under shard_map each device runs, by the sorted path, the slots routed to its own E / n experts, reading
+    only those, and one psum over "model" sums the devices' shares (the all-reduce an inside split also pays).
+    The tokens are whole on every device of a replica, as every activation is under tensor parallelism, so no
+    token moves; the rows split over "data" as the batch does."""
+    rows = split(x_ND.shape[0], "data", mesh)
+    tokens, experts = P(rows, None), P("model", None, None)
+
+    def local(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID):
+        first = lax.axis_index("model") * w_gate_EDI.shape[0]
+        local_NK = experts_NK - first
+        kept_NK = (local_NK >= 0) & (local_NK < w_gate_EDI.shape[0])
+        y_ND = sorted_experts(x_ND, weights_NK, jnp.where(kept_NK, local_NK, 0), w_gate_EDI, w_up_EDI, w_down_EID,
+                              kept_NK)
+        return lax.psum(y_ND, "model")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+                         out_specs=tokens)(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID)
 
 
 def ragged_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
@@ -185,8 +216,12 @@ class MoeMLP(nnx.Module):
         weights_NK, experts_NK = route(x_ND, self.router[...], self.moe_cfg.top_k, self.moe_cfg.norm_topk_prob)
         if self.record:
             self.sow(nnx.Intermediate, "routed", experts_NK.reshape(b, t, -1))
-        run = EXPERT_PATHS[expert_path(self.moe_cfg, b * t)]
-        y_ND = run(x_ND, weights_NK, experts_NK, self.w_gate[...], self.w_up[...], self.w_down[...])
+        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        mesh = active_mesh()
+        if self.moe_cfg.expert_parallel and mesh is not None and axis_size(mesh, "model") > 1:
+            y_ND = expert_parallel_experts(x_ND, weights_NK, experts_NK, *experts, mesh)
+        else:
+            y_ND = EXPERT_PATHS[expert_path(self.moe_cfg, b * t)](x_ND, weights_NK, experts_NK, *experts)
         if self.shared_gate is not None:
             shared_ND = swiglu(x_ND, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
             y_ND = y_ND + jax.nn.sigmoid(x_ND @ self.shared_expert_gate[...]) * shared_ND

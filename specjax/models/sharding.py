@@ -49,11 +49,12 @@ RULES: dict[str, str | None] = {
 # splits the replicated matmul by channel anyway) and n times the memory; a head-aligned packing at conversion would
 # remove the regrouping (a later step).
 
-# Whole experts per device instead (an expert tensor [E, D, I] split on E; its mlp width whole). With the expert paths
-# of models/moe.py, which pick each block's expert by a dynamic index, XLA's partitioner all-gathers every expert
-# tensor of a sparse layer on every pass (weight-sized traffic per step), where splitting inside the experts costs one
-# all-reduce of the layer's [tokens, D] output, as a dense MLP does. Expert parallelism proper needs the tokens sent to
-# their experts' devices (an all-to-all under shard_map): a later step, measured against this one.
+# Whole experts per device instead (an expert tensor [E, D, I] split on E; its mlp width whole): load marks the config
+# (`with_expert_parallel`) and each MoE layer runs the slots routed to a device's own experts there under shard_map,
+# then one psum (models/moe.py expert_parallel_experts). Not the default: on an accelerator the expert paths gather
+# every block's expert matrices (fixed shapes, used or not), so whole experts read up to n times the bytes of an
+# inside split at decode; on the CPU it is the faster one (the inside split's loop over blocks takes an all-reduce
+# per block). `python scripts/bench_expert_split.py`, docs/architecture.md (Multi-device).
 EXPERT_PARALLEL: dict[str, str | None] = {**RULES, "experts": "model"}
 
 
@@ -106,6 +107,17 @@ def check_rules(rules: dict | None) -> dict:
         raise ValueError(f"rules map logical axis names to a mesh axis ('model', 'data') or None; got {bad}: e.g. "
                          "{**specjax.models.sharding.RULES, 'experts': 'model'}")
     return dict(rules)
+
+
+def with_expert_parallel(cfg: ModelConfig, mesh, rules=None) -> ModelConfig:
+    """cfg with `moe.expert_parallel` set when `rules` put whole experts on each device of `mesh` (the experts
+    axis over "model", which divides the expert count): the MoE layers then run each device's own experts
+    under shard_map (models/moe.py). Unchanged for a dense model or one device."""
+    if cfg.moe is None or mesh is None:
+        return cfg
+    n = axis_size(mesh, "model")
+    whole = check_rules(rules).get("experts") == "model" and n > 1 and cfg.moe.num_experts % n == 0
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=whole))
 
 
 def axis_size(mesh, axis: str) -> int:

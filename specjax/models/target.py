@@ -28,6 +28,7 @@ class Target:
     mtp: dict | None = None  # the checkpoint's MTP layers (convert/mtp.py) for drafters.mtp_drafter; never run here
     generation_config: dict = dataclasses.field(default_factory=dict)  # generation_config.json: sampling defaults
     mesh: Any = None  # the ("data", "model") jax Mesh the params are split over (models/sharding.py); None: one device
+    rules: dict | None = None  # the sharding rules that split them (None: models/sharding.py RULES); drafters follow
 
     def __post_init__(self):
         self.params = serving_layout(self.params, self.layout, mixed=self.cfg.mixed_layers)

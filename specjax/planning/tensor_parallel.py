@@ -17,12 +17,13 @@ device holds all of it (the rule of the sharded-target work, models/sharding.py 
               inside by its width (expert_size % n == 0); else replicated
     (norms, the router, q/k norms: replicated)
 
-Expert parallelism is what this planning assumes for the routed experts; the sharding work's default splits each
-expert inside by its width instead (its EXPERT_PARALLEL rules are the other choice). Both hold E x expert / n
-weights per device and read, in expectation, the same bytes per pass: under uniform routing a device's E / n
-experts are each hit with the same probability as any expert, so a pass reads D(T) / n whole experts there
-(D(T) = E (1 - (1 - k/E)^T)), where an inside split reads D(T) experts of 1/n width. The busiest device sets the
-pace; routing imbalance between devices is not modelled.
+The routed experts are priced as a grouped GEMM reads them, each distinct expert a pass reaches once. Under that,
+the two layouts (load's default, each expert split inside by its width; its EXPERT_PARALLEL rules, whole experts per
+device) hold E x expert / n weights per device and read the same bytes in expectation: under uniform routing a
+device's E / n experts are each hit with the same probability as any expert, so a pass reads D(T) / n whole experts
+there (D(T) = E (1 - (1 - k/E)^T)), where an inside split reads D(T) experts of 1/n width. The busiest device sets
+the pace; routing imbalance between devices is not modelled. specjax's own accelerator path gathers every block's
+matrices instead, which favours the inside split (docs/architecture.md, Multi-device: scripts/bench_expert_split.py).
 """
 
 from __future__ import annotations
