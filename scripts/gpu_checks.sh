@@ -6,10 +6,12 @@
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
-#                                  against the planner's ring model (skipped, saying so, on one GPU)
+#                                  against the planner's ring model; a random 8B target on one GPU and split over
+#                                  all of them (plain and a replay chain, tokens compared, times side by side, the
+#                                  kernel under shard_map). Skipped, saying so, on one GPU
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 225 s
-# (3 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 480 s
+# (8 min), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -67,10 +69,15 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "$gpus" -gt 1 ]; then
     step bench_allreduce timeout 180 python scripts/bench_allreduce.py --hidden 8192 --tokens 1,16,64,256,1024 \
         --out "$out/bench_allreduce.json"
+    # T2. The 8B target split over every GPU against one GPU, batch 1 and 16: decode times and equal rows (attention
+    #     by the Pallas kernel under shard_map, compiled Triton on each GPU).
+    step bench_tp timeout 300 python scripts/bench_tp.py --preset 8b --batches 1,16 --repeats 2 \
+        --out "$out/bench_tp.json"
 else
     echo "=== bench_allreduce: skipped ($gpus GPU here: an all-reduce needs more than one; the planner keeps the"
     echo "    nccl-tests figures in specjax/planning/profile.py)"
     echo "bench_allreduce: skipped, $gpus GPU" >"$out/bench_allreduce.log"
+    echo "=== bench_tp: skipped ($gpus GPU here: tensor parallelism needs more than one)"
 fi
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).
