@@ -223,10 +223,11 @@ def test_choose_token_draws_from_sampling_distribution(temperature, top_k, top_p
         assert p_value > 1e-3, f"chi-square p = {p_value}"
 
 
-@pytest.mark.parametrize("top_k", [0, 50, 300])
+@pytest.mark.parametrize("top_k", [0, 50, 100, 300])
 def test_top_p_without_a_sort_equals_the_sort(top_k):
-    """The candidate path (the 256 largest logits) keeps exactly what the full stable sort keeps, and rows it cannot
-    decide (flat rows, top_p near 1) are handed to the sort; both happen here."""
+    """The candidate path (the 64 largest logits; also tried with 256) keeps exactly what the full stable sort keeps,
+    and rows it cannot decide (flat rows, top_p near 1, top_k > 64) go to the radix search; through
+    sampling_logprobs every row equals the sort."""
     from specjax.decoding import sampling
 
     rng = np.random.default_rng(3)
@@ -237,16 +238,19 @@ def test_top_p_without_a_sort_equals_the_sort(top_k):
         logits_RV = jnp.where(logits_RV < kth, -jnp.inf, logits_RV)
     fast_seen = slow_seen = False
     for top_p in (0.3, 0.8, 0.95, 0.995):
-        vals_RM, idx_RM = jax.lax.top_k(logits_RV, sampling.TOP_P_CANDIDATES)
-        keep, exact = sampling._top_p_among_candidates(logits_RV, vals_RM, idx_RM, jnp.float32(top_p))
         want = sampling._top_p_by_sort(logits_RV, top_p)
-        exact = np.asarray(exact)
-        np.testing.assert_array_equal(np.asarray(keep)[exact], np.asarray(want)[exact], err_msg=f"top_p={top_p}")
-        fast_seen |= exact.any()
-        slow_seen |= (~exact).any()
+        for m in (sampling.CANDIDATES, 256):
+            vals_RM, idx_RM = jax.lax.top_k(logits_RV, m)
+            keep, exact = sampling._top_p_among_candidates(logits_RV, vals_RM, idx_RM, jnp.float32(top_p))
+            exact = np.asarray(exact)
+            np.testing.assert_array_equal(np.asarray(keep)[exact], np.asarray(want)[exact],
+                                          err_msg=f"top_p={top_p}, {m} candidates")
+            fast_seen |= exact.any()
+            slow_seen |= (~exact).any()
         got = np.exp(np.asarray(sampling_logprobs(logits_RV, SamplingConfig(1.0, top_k, top_p)))) > 0
         np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"top_p={top_p} through sampling_logprobs")
-    assert fast_seen and (slow_seen or top_k)  # with top_k <= 255 every row fits among the candidates
+    # with top_k <= 64 every row fits among the fewest candidates
+    assert fast_seen and (slow_seen or 0 < top_k <= sampling.CANDIDATES)
 
 
 def test_sample_rows_never_draws_a_token_without_mass():
@@ -261,7 +265,7 @@ def test_sample_rows_never_draws_a_token_without_mass():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_top_p_by_bisection_equals_the_sort(tied):
+def test_top_p_by_radix_equals_the_sort(tied):
     """The fallback for rows the candidates cannot decide: the same kept set as the warper's sort, for flat and
     peaked rows, with and without ties at the cut."""
     from specjax.decoding import sampling
@@ -272,6 +276,20 @@ def test_top_p_by_bisection_equals_the_sort(tied):
     else:
         logits = (rng.standard_normal((16, 3000)) * np.array([0.2, 1.0, 3.0, 8.0]).repeat(4)[:, None]).astype(np.float32)
     for top_p in (0.1, 0.5, 0.9, 0.95, 0.999) + tuple(_inside_tie_top_p(r[np.isfinite(r)]) for r in logits[:3]):
-        got = np.asarray(sampling._top_p_by_bisection(jnp.asarray(logits), top_p))
+        got = np.asarray(sampling._top_p_by_radix(jnp.asarray(logits), top_p))
         want = np.asarray(sampling._top_p_by_sort(jnp.asarray(logits), top_p))
         np.testing.assert_array_equal(got, want, err_msg=f"top_p={top_p}")
+
+
+def test_kth_by_radix_equals_the_sorted_kth():
+    """The radix search's k-th largest equals a sort's, with ties, -inf entries and k from 1 to the vocabulary."""
+    from specjax.decoding import sampling
+
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((6, 500)) * np.array([0.1, 1, 3, 10, 1, 1])[:, None]).astype(np.float32)
+    logits[4] = np.round(logits[4], 1)  # many ties
+    logits[5, ::3] = -np.inf
+    for k in (1, 2, 65, 257, 333, 500):
+        want = np.sort(logits, axis=-1)[:, ::-1][:, k - 1]
+        got = np.asarray(sampling._kth_by_radix(jnp.asarray(logits), jnp.full((6,), k, jnp.int32)))
+        np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
