@@ -10,8 +10,8 @@
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 480 s
-# (8 min), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 525 s
+# (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
