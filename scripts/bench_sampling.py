@@ -10,7 +10,8 @@ rounds (round i runs every configuration once, in turn); the table gives each on
 (`out.stats["decode_s"]`, compile excluded), its spread, and the ratio to greedy in the same loop and batch,
 then the same per loop iteration (a speculative round; a sampled draft is accepted less often than a greedy
 one, so a sampled call runs more rounds: the per-iteration ratio is what sampling itself costs).
-Also timed alone: `sampling_logprobs` + one draw on [batch, vocab] logits (the part of a step sampling adds).
+Also timed alone: `sampling_logprobs` + one draw on [batch, vocab] logits (the part of a step sampling adds), and
+the filter's parts on [40, vocab]: lax.top_k at the candidate count and at 256, and the radix search's cut.
 """
 
 from __future__ import annotations
@@ -58,6 +59,31 @@ def time_sampler(batch: int, vocab: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def time_parts(rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds of the filter's parts on random [rows, vocab] logits (rows: a verify pass's batch x
+    nodes): lax.top_k at the candidate count and at 256, and the radix search's cut (the fallback)."""
+    from specjax.decoding import sampling
+
+    logits = jax.random.normal(jax.random.key(1), (rows, vocab))
+    mass = jax.nn.softmax(logits, axis=-1)
+    key = sampling._float_order_key(logits)
+    limit = jnp.full((rows,), 0.05)
+    fns = {f"top_k {sampling.CANDIDATES}": (lambda x: jax.lax.top_k(x, sampling.CANDIDATES), (logits,)),
+           "top_k 256": (lambda x: jax.lax.top_k(x, 256), (logits,)),
+           "radix cut": (sampling._largest_key_below, (key, mass, limit))}
+    out = {}
+    for name, (fn, args) in fns.items():  # arrays as arguments: closed-over constants would be folded at compile
+        jitted = jax.jit(fn)
+        jax.block_until_ready(jitted(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(jitted(*args))
+            times.append(time.perf_counter() - start)
+        out[name] = 1e3 * statistics.median(times)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8")
@@ -98,6 +124,7 @@ def main() -> int:
                      "round_vs_greedy": per_round / greedy_round, "rounds": statistics.median(rounds[(mode, b, name)]),
                      "compile_s": compile_s[(mode, b, name)]})
     sampler = {b: time_sampler(b, target.cfg.vocab_size, 50) for b in batches}
+    parts = time_parts(40, target.cfg.vocab_size, 50)
     print(f"{args.tokens} tokens per row, embedded target (vocab {target.cfg.vocab_size}), draft model chain of 4 for "
           f"spec; median of {args.repeats} interleaved runs; {machine_info()['device']}, jax {jax.__version__}")
     print("| loop | batch | sampling | decode ms (median) | min-max | vs greedy | loop iterations | ms per iteration "
@@ -110,10 +137,13 @@ def main() -> int:
     print("\none choose_token on [batch, vocab] logits, median ms of 50:")
     for b, per in sampler.items():
         print(f"  batch {b}: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
+    print("the filter's parts on [40, vocab] logits (batch 8 x a chain's 5 nodes), median ms of 50: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine_info(), "tokens": args.tokens, "repeats": args.repeats,
-                                        "rows": rows, "choose_token_ms": sampler}, indent=1))
+                                        "rows": rows, "choose_token_ms": sampler,
+                                        "filter_parts_ms_40_rows": parts}, indent=1))
         print(f"wrote {args.out}")
     return 0
 

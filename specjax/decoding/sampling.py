@@ -83,8 +83,9 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
 
     Decided among the CANDIDATES largest logits when they decide every row exactly, else by a radix search over
     the whole vocabulary; each way gives the same decisions (up to the rounding of cumulative sums). lax.top_k's
-    cost grows with its k (on this CPU, [40, 4096]: 0.84 ms for 64, 3.0 ms for 256, and the radix search 2.5 ms),
-    so the candidates are few: top_k <= 64 and peaked rows take them, flat rows under top_p the search."""
+    cost grows with its k (on this CPU, [40, 4096]: 0.82 ms for 64, 2.6 ms for 256, the radix search's cut 1.5 ms;
+    `python scripts/bench_sampling.py`), so the candidates are few: top_k <= 64 and peaked rows take them, flat
+    rows under top_p the search."""
     m = min(z_RV.shape[-1], CANDIDATES)
     out_RV, exact_R = _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m)
     return lax.cond(jnp.all(exact_R), lambda: out_RV, lambda: _filter_by_radix(z_RV, k_R, p_R, min_p_R))
@@ -143,9 +144,9 @@ def _largest_key_below(key_RV: jax.Array, weight_RV: jax.Array, limit_R: jax.Arr
     """Per row, the largest uint32 v whose entries with key < v weigh at most limit (weights >= 0).
 
     A radix search: four passes of 8 bits, each a 256-bucket histogram of the weights (one scatter-add over the
-    row) among the entries whose higher bits equal the prefix found so far; 4 passes where a bisection over the
-    32 bits takes 32 masked sums (on this CPU, [40, 4096]: 1.5 ms against 2.4 ms). The weight below is summed
-    from the smallest up, as the warper's ascending cumulative sum is (small masses, accurately)."""
+    row) among the entries whose higher bits equal the prefix found so far: 4 passes where a bisection over the
+    32 bits takes 32 masked sums. The weight below is summed from the smallest up, as the warper's ascending
+    cumulative sum is (small masses, accurately)."""
     rows = key_RV.shape[0]
     row_R1 = jnp.arange(rows)[:, None]
     bucket_B = jnp.arange(256, dtype=jnp.uint32)

@@ -115,7 +115,7 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             f"MTP layers trained for this target (the shipped one: checkpoints/tiny/mtp, or specjax.embedded('mtp')); "
             f"for a draft model, a smaller model with the same tokenizer; or an EAGLE-3/DFlash/DSpark head")
     model = load(path, attn_impl=attn_impl or target.attn_impl, mesh=target_mesh(target),
-                 rules=getattr(target, "rules", None) if target_mesh(target) is not None else None)
+                 rules=getattr(target, "rules", None))
     if mtp is not False and model.mtp is not None and _same_model(model, target):
         return mtp_drafter(target, attn_impl=attn_impl, stored=model.mtp)
     if mtp:

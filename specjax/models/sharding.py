@@ -115,9 +115,10 @@ def with_expert_parallel(cfg: ModelConfig, mesh, rules=None) -> ModelConfig:
     under shard_map (models/moe.py). Unchanged for a dense model or one device."""
     if cfg.moe is None or mesh is None:
         return cfg
-    n = axis_size(mesh, "model")
-    whole = check_rules(rules).get("experts") == "model" and n > 1 and cfg.moe.num_experts % n == 0
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=whole))
+    moe = cfg.moe
+    spec = partition_spec(("experts", "embed", "mlp"), (moe.num_experts, cfg.hidden_size, moe.expert_size), mesh,
+                          head_counts(cfg), rules)  # as w_gate is split
+    return dataclasses.replace(cfg, moe=dataclasses.replace(moe, expert_parallel=spec[0] == "model"))
 
 
 def axis_size(mesh, axis: str) -> int:
