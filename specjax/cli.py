@@ -27,10 +27,13 @@ def _export(args) -> int:
 
 
 def _generate(args) -> int:
+    import jax
+
     from specjax import NgramDrafter, generate, load, stream
 
     _check_chat_options(args)
-    target = load(args.model, attn_impl=args.attn_impl)
+    _join_job(args)
+    target = load(args.model, attn_impl=args.attn_impl, mesh=_mesh(args))
     drafter = None
     if args.drafter == "ngram":
         drafter = NgramDrafter()
@@ -45,22 +48,67 @@ def _generate(args) -> int:
               stop_token_ids=args.stop_token_ids or None, repetition_penalty=args.repetition_penalty,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
               min_tokens=args.min_tokens)
+    # every process of a multi-process job decodes the same; process 0 prints
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if args.stream:
         for chunk in stream(target, prompts, **kw):
             text = chunk.text if chunk.text is not None else " ".join(map(str, chunk.token_ids))
             if len(prompts) == 1:
-                print(text, end="", flush=True)
+                say(text, end="", flush=True)
             else:
-                print(f"[{chunk.index}] {text!r}", flush=True)
+                say(f"[{chunk.index}] {text!r}", flush=True)
             if chunk.finish_reason is not None:
-                print(f"\n--- {chunk.index}: finished ({chunk.finish_reason})", flush=True)
+                say(f"\n--- {chunk.index}: finished ({chunk.finish_reason})", flush=True)
         return 0
     out = generate(target, prompts, **kw)
     for i, toks in enumerate(out.tokens):
-        print(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
+        say(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
     stats = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
     print(json.dumps({**stats, "finish_reasons": out.finish_reasons}, indent=1, default=str))
     return 0
+
+
+def _join_job(args) -> None:
+    """Join a multi-process job (jax.distributed) before anything touches the devices: --coordinator HOST:PORT with
+    --num-processes and --process-id, or --distributed for JAX's own cluster detection (SLURM, Open MPI, ...)."""
+    given = [f for f, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id)) if v is not None]
+    if args.coordinator is None and not args.distributed:
+        if given:
+            raise ValueError(f"{' and '.join(given)} join a multi-process job: add --coordinator HOST:PORT (process 0's "
+                             "address), or use --distributed for JAX's cluster detection")
+        return
+    if args.coordinator is not None and len(given) < 2:
+        raise ValueError("--coordinator needs --num-processes N and --process-id I (0 on the coordinator's host)")
+    if args.coordinator is not None and args.distributed:
+        raise ValueError("pass --coordinator (with --num-processes, --process-id) or --distributed, not both")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes talk by gloo
+    if args.distributed:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _mesh(args):
+    """The mesh --mesh D,M or --tensor-parallel N ask for, over the job's devices (every process's), or None."""
+    from specjax.models.sharding import device_mesh, tensor_parallel_mesh
+
+    if args.mesh is not None and args.tensor_parallel is not None:
+        raise ValueError("pass --mesh D,M or --tensor-parallel N, not both (--tensor-parallel N is --mesh 1,N)")
+    if args.mesh is not None:
+        return device_mesh(*args.mesh)
+    return None if args.tensor_parallel is None else tensor_parallel_mesh(args.tensor_parallel)
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """--mesh: 'D,M', the data-parallel and tensor-parallel sizes."""
+    try:
+        data, model = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected D,M (data-parallel replicas, tensor-parallel devices) like 2,4, "
+                                         f"got {text!r}") from None
+    return data, model
 
 
 def _cli_prompts(target, prompts: list[str]) -> list:
@@ -189,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="with --chat: a system message before each user message")
     p.add_argument("--chat-template-kwargs", type=_json_object, default=None,
                    help='with --chat: template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split the target (and drafter) over the job's first N devices")
+    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D,M",
+                   help="a (data, model) mesh: D data-parallel replicas of an M-device tensor-parallel model")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="join a multi-process job (jax.distributed): process 0's address; with --num-processes, "
+                        "--process-id; every process runs the same command and process 0 prints")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--distributed", action="store_true",
+                   help="join a multi-process job by JAX's cluster detection (SLURM, Open MPI, ...) instead")
     p.set_defaults(fn=_generate)
 
     p = sub.add_parser("demo", help="the embedded tiny target and draft model, plain vs speculative")

@@ -23,6 +23,7 @@ from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.decoding.speculative import check_drafter_fits
 from specjax.decoding.tree import parse_tree
 from specjax.models.model import merge
+from specjax.models.sharding import to_host
 from specjax.models.target import Target
 
 
@@ -69,9 +70,10 @@ def inspect_draft(target: Target, drafter: Drafter, prompt: str | Sequence[int],
     (root_B, draft), _, _ = run_compiled(
         target, ("inspect", req.lc, configured, req.prompt_BT.shape), first_draft,
         (target.params, configured.params, *req.arrays()), {"lc": req.lc, "drafter": configured})
-    row = jax.tree.map(lambda x: np.asarray(x)[0], draft)
+    root_B, draft = to_host((root_B, draft))
+    row = jax.tree.map(lambda x: x[0], draft)
     return DraftInspection(
-        root=int(np.asarray(root_B)[0]), tokens=row.tokens[1:],
+        root=int(root_B[0]), tokens=row.tokens[1:],
         logits=None if row.logits is None else row.logits[1:],
         confidence=None if row.confidence is None else row.confidence[1:],
         tree_tokens=row.tokens, tree_parents=row.parents)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
-import numpy as np
-
 from specjax.config import SamplingConfig
 from specjax.decoding.decode import ar_advance, ar_generate, ar_start
 from specjax.decoding.request import GenerateOutput, LoopResult, Options, Request, finish, prepare, run_loop
 from specjax.decoding.stream import ChunkedRun
+from specjax.models.sharding import to_host
 from specjax.models.target import Target
 
 
@@ -31,7 +29,7 @@ def plain_result(req: Request, outputs) -> tuple[LoopResult, int]:
     """(LoopResult, steps) from ar_generate's outputs or a final PlainState."""
     if not isinstance(outputs, tuple):
         outputs = (outputs.out_BO, outputs.count_B, outputs.step, outputs.logprobs)
-    out_BO, count_B, steps, logprobs = jax.tree.map(np.asarray, outputs)
+    out_BO, count_B, steps, logprobs = to_host(outputs)
     return LoopResult(out_BO, count_B, logprobs), int(steps)
 
 

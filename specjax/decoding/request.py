@@ -23,7 +23,7 @@ from specjax.decoding.decode import LoopConfig, RowSettings
 from specjax.decoding.penalties import RowPenalties
 from specjax.decoding.sampling import RowSampling
 from specjax.decoding.stream import ChunkedRun, RowText, finish_reason
-from specjax.models.sharding import axis_size, place_batch, use_mesh
+from specjax.models.sharding import axis_size, moved_to, place_batch, use_mesh
 from specjax.models.target import Target
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
@@ -367,7 +367,7 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
             shapes = jax.eval_shape(lambda *a: start(*a, **static), *args)
         # advance is compiled for the state as start_x hands it back, shardings included (on a mesh XLA chose them);
         # a state advance hands back in other shardings (XLA may choose others for small leaves) is moved to them
-        # first (device_put of a leaf already in place is a no-op)
+        # first (a leaf already in place is kept)
         state_shardings = start_x.output_shardings
         probe = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes,
                              state_shardings)
@@ -376,7 +376,7 @@ def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, ar
     start_x, advance_x, state_shardings = target.compiled[full_key]
 
     def advance_from(state, until):
-        return advance_x(*advance_args(jax.device_put(state, state_shardings), until))
+        return advance_x(*advance_args(moved_to(state, state_shardings), until))
 
     run = ChunkedRun(lambda: start_x(*args), advance_from, first_step, req.lc.out_len,
                      texts or row_texts(target, req), req.stop_ids)

@@ -35,6 +35,7 @@ from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, dept
 from specjax.decoding.verify import Draft, Verdict, verify
 from specjax.models.decoder import POST_NORM, Decoder
 from specjax.models.model import merge
+from specjax.models.sharding import agreed, to_host
 from specjax.models.target import Target
 
 SCHEDULERS = ("confidence", "prefix")
@@ -297,7 +298,7 @@ class SpecRunner:
     def finish(self, outputs, compile_s: float, run_s: float, run=None) -> GenerateOutput:
         if not isinstance(outputs, tuple):
             outputs = spec_outputs(outputs)
-        out_BO, round_BO, depth_BO, count_B, stats, logprobs = jax.tree.map(np.asarray, outputs)
+        out_BO, round_BO, depth_BO, count_B, stats, logprobs = to_host(outputs)
         n_rows = len(self.req.ids)
         if run is not None and np.any(run.kept < count_B[:n_rows]):
             stats = emitted_only(stats, round_BO, depth_BO, run.kept)
@@ -320,7 +321,8 @@ def spec_runner(target: Target, req, drafter: Drafter, spec, scheduler: str | No
         cost = scheduler_cost(batch, sched.widths, timing_context(req.ids, req.max_new_B.max()))
         # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
         overhead = cost.draft_s(batch, spec.num_nodes - 1)
-        seconds_T = jnp.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead))
+        # timed on each process: one table for all of them (models/sharding.py agreed)
+        seconds_T = jnp.asarray(agreed(np.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead))))
         static, key = {"sched": sched}, (*key, sched)
         sched_info = {"mode": scheduler, "widths": list(sched.widths), "cost": cost.source,
                       "round_overhead_s": overhead}

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
+from specjax.models.sharding import on_like, to_host
+
 # A chunk grows (4x its steps, from 1) until it takes this long: the first tokens come at once, and the per-chunk
 # cost (one dispatch, one small read, the host's detokenising) stays a few percent of the decode
 # (scripts/bench_stream.py measures stream against generate).
@@ -118,7 +120,7 @@ class ChunkedRun:
             if stopped:
                 done_B = np.zeros(len(self.state.done_B), bool)
                 done_B[stopped] = True
-                self.state = dataclasses.replace(self.state, done_B=self.state.done_B | jnp.asarray(done_B))
+                self.state = dataclasses.replace(self.state, done_B=self.state.done_B | on_like(done_B, self.state.done_B))
             yield chunks
             if not more:
                 break
@@ -130,7 +132,7 @@ class ChunkedRun:
     def _take(self, snap) -> tuple[list[StreamChunk], list[int]]:
         """Read a snapshot of the loop's outputs, push each row's new tokens, hand out chunks: (chunks, the rows a
         stop string ended now)."""
-        out_BO, count_B, done_B = (np.asarray(x) for x in snap)
+        out_BO, count_B, done_B = to_host(snap)
         stopped_now = []
         chunks = []
         for i, row in enumerate(self.rows):

@@ -44,7 +44,7 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     layout: "auto", "stacked" or "per_layer" (see serving_layout).
     mesh: a jax.sharding.Mesh with axes ("data", "model"): the weights split over "model" by
     models/sharding.py's rules, the batch over "data"; each device reads only its slice of every weight.
-    tensor_parallel=n: the same over a (1, n) mesh of this process's first n devices.
+    tensor_parallel=n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
     rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
     """
     path = Path(path)

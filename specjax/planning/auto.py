@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from specjax.decoding.request import bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
+from specjax.models.sharding import agreed_json
 from specjax.planning.calibration import calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import cost_for_run, time_propose
@@ -110,9 +111,13 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
             "margin": margin,
             "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
-    measured.plans[max_new_tokens] = (chosen.spec, info)
+    # Each process of a multi-host job timed its own loops: all of them run the plan process 0 made.
+    agreed = agreed_json({"parents": None if chosen.spec is None else list(chosen.spec.parents), "info": info})
+    spec = None if agreed["parents"] is None else TreeSpec(tuple(agreed["parents"]))
+    info = agreed["info"]
+    measured.plans[max_new_tokens] = (spec, info)
     # Measuring and planning (their loops' compiles included): the call's own compile_s is then ~0.
-    return chosen.spec, {**info, "plan_s": time.perf_counter() - start}
+    return spec, {**info, "plan_s": time.perf_counter() - start}
 
 
 def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_chain: int, context: int,

@@ -20,6 +20,7 @@ from specjax.config import SamplingConfig
 from specjax.decoding.plain import plain_generate
 from specjax.decoding.speculative import speculative_generate
 from specjax.decoding.tree import TreeSpec, chain, child_ranks
+from specjax.models.sharding import agreed
 from specjax.planning.planner import expected_tau
 from specjax.planning.profile import RunTimes
 
@@ -179,13 +180,18 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
 
     one_round()  # compiles: dropped below
     start = time.perf_counter()
-    while len(plain) <= repeats or (time.perf_counter() - start < min_time_s and len(plain) <= max_repeats):
+    # How long to go on is decided from this process's clock: every process of a multi-host job runs process 0's
+    # count of rounds (each round's loops are collectives), and takes its timings (models/sharding.py agreed).
+    while len(plain) <= repeats or agreed(np.asarray(time.perf_counter() - start < min_time_s
+                                                     and len(plain) <= max_repeats)):
         one_round()
     step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
     plain_error = relative_error([p for p, _ in plain[1:]])
-    return RunTimes(float(step_s), tuple((k + 1, k, float(np.median(t[1:]))) for k, t in rounds.items()),
-                    float(prefill_s),
-                    tuple(float(np.hypot(plain_error, relative_error(t[1:]))) for t in rounds.values()))
+    chain_s = np.asarray([np.median(t[1:]) for t in rounds.values()])
+    noise = np.asarray([np.hypot(plain_error, relative_error(t[1:])) for t in rounds.values()])
+    step_s, prefill_s, chain_s, noise = agreed((np.asarray(step_s), np.asarray(prefill_s), chain_s, noise))
+    return RunTimes(float(step_s), tuple((k + 1, k, float(t)) for k, t in zip(rounds, chain_s)), float(prefill_s),
+                    tuple(float(e) for e in noise))
 
 
 def relative_error(x: Sequence[float]) -> float:

@@ -42,6 +42,7 @@ from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
+from specjax.models.sharding import agreed
 from specjax.models.target import format_count
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
@@ -658,6 +659,7 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
+    times = agreed(np.asarray(times)).tolist()  # a multi-host job plans from process 0's timings (sharding.agreed)
     return statistics.median(times), times
 
 

@@ -1,0 +1,110 @@
+"""One process of a two-process job (jax.distributed on localhost, 4 CPU devices each, gloo collectives).
+
+tests/test_multihost.py starts two of these with the same arguments but the process id, on checkpoints it built;
+each joins the job, builds the global meshes over all 8 devices (TP 8, and DP 2 x TP 4: one data replica per
+process), decodes and writes what it got to WORKDIR/process-I.json: every loop's tokens, and the largest part
+of each safetensors tensor this process read. The test compares both files with one device's tokens.
+
+    python tests/multihost_check.py PROCESS_ID PORT WORKDIR      # twice, PROCESS_ID 0 and 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+NUM_PROCESSES = 2
+LOCAL_DEVICES = 4
+MESHES = {"tp8": (1, 8), "dp2_tp4": (2, 4)}
+ROOT = Path(__file__).resolve().parent.parent
+KW = dict(max_new_tokens=10, eos_token_id=[])
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=[3, 4, 5])
+# The loops each mesh runs (compiles are most of the time): TP across the processes plain and speculative, DP 2 x TP 4
+# (a data replica per process) everything.
+LOOPS = {"tp8": ("dense/plain", "dense/draft_chain", "tiny/eagle3_chain"), "dp2_tp4": None}
+READ = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
+
+
+def prompts() -> list[list[int]]:
+    """Three ragged prompts for the dense HF target's 256-token vocabulary (and the tiny target's 4096)."""
+    return [[5, 17, 99, 3, 42, 8, 200, 61, 7], [11, 12, 13, 14], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def decode(dense, draft, tiny, eagle3, only: tuple[str, ...] | None = None) -> dict:
+    """The loops the test compares (all, or those named in `only`), on targets already loaded (one device or a
+    mesh): name -> tokens."""
+    import specjax
+
+    p = prompts()
+
+    def streamed() -> list[list[int]]:
+        rows = [[] for _ in p]
+        for chunk in specjax.stream(tiny, p, **KW):
+            rows[chunk.index] += chunk.token_ids
+        return rows
+
+    loops = {
+        "dense/plain": lambda: specjax.generate(dense, p, **KW).tokens,
+        "dense/draft_chain": lambda: specjax.generate(dense, p, drafter=draft, num_draft_tokens=3, **KW).tokens,
+        "dense/draft_tree": lambda: specjax.generate(dense, p, drafter=draft, tree="kary:2,1", **KW).tokens,
+        "dense/sampled_plain": lambda: specjax.generate(dense, p, **SAMPLED, **KW).tokens,
+        "dense/sampled_draft_chain": lambda: specjax.generate(dense, p, drafter=draft, num_draft_tokens=2, **SAMPLED,
+                                                              **KW).tokens,
+        "tiny/plain": lambda: specjax.generate(tiny, p, **KW).tokens,
+        "tiny/eagle3_chain": lambda: specjax.generate(tiny, p, drafter=eagle3, num_draft_tokens=3, **KW).tokens,
+        "tiny/stream": streamed,
+        "tiny/inspect_draft": lambda: specjax.inspect_draft(tiny, eagle3, p[1], num_draft_tokens=3).tokens.tolist(),
+    }
+    return {name: run() for name, run in loops.items() if only is None or name in only}
+
+
+def load_all(work: Path, mesh=None, dense=None):
+    """The dense HF target (or `dense`, loaded already) and its draft model (safetensors, built by the test), the
+    shipped tiny target (orbax) and its EAGLE-3 head, on `mesh` (one device when None)."""
+    import specjax
+
+    kw = {} if mesh is None else {"mesh": mesh}
+    dense = dense or specjax.load(work / "dense", **kw)
+    tiny = specjax.load(ROOT / "checkpoints/tiny/target", **kw)
+    return dense, specjax.load_drafter(work / "draft", dense), tiny, specjax.load_drafter(
+        ROOT / "checkpoints/tiny/eagle3", tiny)
+
+
+def main(process_id: int, port: int, work: Path) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=NUM_PROCESSES, process_id=process_id)
+    from sharded_check import ReadLog
+
+    import specjax
+    from specjax.models.sharding import device_mesh
+
+    start = time.perf_counter()
+    report = {"process_index": jax.process_index(), "devices": jax.device_count(),
+              "local_devices": jax.local_device_count(), "meshes": {}}
+    for name, shape in MESHES.items():
+        mesh = device_mesh(*shape)
+        with ReadLog() as reads:
+            dense = specjax.load(work / "dense", mesh=mesh)
+        models = load_all(work, mesh, dense)
+        began = time.perf_counter()
+        report["meshes"][name] = {"tokens": decode(*models, only=LOOPS[name]),
+                                  "largest_read": {k: reads.largest.get(k) for k in READ},
+                                  "q_proj_local_shards": [list(s.data.shape) for s in
+                                                          dense.params["layers"][0]["wq"].addressable_shards],
+                                  "seconds": time.perf_counter() - began}
+    report["seconds"] = time.perf_counter() - start
+    (work / f"process-{process_id}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} " \
+                              f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,116 @@
+"""Two processes on localhost, one jax.distributed job of 8 CPU devices (4 each), decode what one device decodes.
+
+The processes (tests/multihost_check.py) load a safetensors target and draft model built here and the shipped
+orbax target and EAGLE-3 head on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one device's tokens
+for plain, speculative (draft chain and tree, EAGLE-3), sampled (per-prompt seeds), streamed decoding and
+inspect_draft, reading only its own devices' slices of the weights. The CLI's --coordinator form likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_tiny import build_hf_model, save_hf_model
+from multihost_check import LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ, decode, load_all, prompts
+
+import specjax
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def job_env() -> dict:
+    """A child's environment: this checkout's specjax and the tests' helpers importable, 4 CPU devices, no GPU."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    root = str(Path(specjax.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_job(commands: list[list[str]], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Start one process per command at once (a job's processes wait for each other), wait for all."""
+    procs = [subprocess.Popen(c, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    done = [subprocess.CompletedProcess(c, p.returncode, o, e) for c, p, (o, e) in zip(commands, procs, outs)]
+    for d in done:
+        assert d.returncode == 0, f"{' '.join(d.args[1:3])} failed ({d.returncode}):\n{d.stdout[-2000:]}\n" \
+                                  f"{d.stderr[-5000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("multihost")
+    save_hf_model(build_hf_model("qwen2", seed=5, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
+                                 intermediate_size=128), work / "dense")
+    save_hf_model(build_hf_model("llama", seed=6, num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                  work / "draft")
+    return work
+
+
+@pytest.fixture(scope="module")
+def reports(work) -> list[dict]:
+    port = free_port()
+    run_job([[sys.executable, str(HERE / "multihost_check.py"), str(i), str(port), str(work)]
+             for i in range(NUM_PROCESSES)])
+    return [json.loads((work / f"process-{i}.json").read_text()) for i in range(NUM_PROCESSES)]
+
+
+def test_every_process_decodes_one_devices_tokens_on_both_meshes(work, reports):
+    want = decode(*load_all(work))
+    assert want["dense/sampled_plain"] != want["dense/plain"] and len({tuple(t) for t in want["dense/plain"]}) == 3
+    for report in reports:
+        assert (report["devices"], report["local_devices"]) == (NUM_PROCESSES * LOCAL_DEVICES, LOCAL_DEVICES)
+        for mesh in MESHES:
+            got = report["meshes"][mesh]["tokens"]
+            assert set(got) == set(LOOPS[mesh] or want), (mesh, sorted(got))
+            wrong = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+            assert not wrong, f"process {report['process_index']} on {mesh}: {wrong}"
+
+
+def test_each_process_reads_and_holds_only_its_devices_slices(reports):
+    for report in reports:
+        for mesh, (data, model) in MESHES.items():
+            r = report["meshes"][mesh]
+            assert r["largest_read"] == {k: pytest.approx(1 / model) for k in READ}, (mesh, r["largest_read"])
+            # wq [64, 8 heads x 8]: split over the model axis, this process's 4 devices hold 64 / model columns each
+            assert r["q_proj_local_shards"] == [[64, 64 // model]] * LOCAL_DEVICES, (mesh, r["q_proj_local_shards"])
+
+
+def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
+    model, draft = work / "dense", work / "draft"
+    ids = [" ".join(map(str, p)) for p in prompts()[:2]]
+    args = ["generate", str(model), "--prompt", ids[0], "--prompt", ids[1], "--max-new-tokens", "6", "--eos", "",
+            "--drafter", str(draft), "--num-draft-tokens", "2"]
+    port = free_port()
+    job = run_job([[sys.executable, "-m", "specjax.cli", *args, "--mesh", "2,4", "--coordinator", f"localhost:{port}",
+                    "--num-processes", "2", "--process-id", str(i)] for i in range(2)])
+    one = subprocess.run([sys.executable, "-m", "specjax.cli", *args], env={**job_env(), "XLA_FLAGS": ""},
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("--- ")]
+
+    assert len(lines(one.stdout)) == 2
+    assert lines(job[0].stdout) == lines(one.stdout)
+    assert lines(job[1].stdout) == []  # every process decodes, process 0 prints
