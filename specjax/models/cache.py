@@ -62,10 +62,15 @@ def write_layer(buf: jax.Array, layer: jax.Array | None, new_BTKD: jax.Array, st
     layer's own [B, S, Hkv, D] buffer with layer None.
     """
     b, t = new_BTKD.shape[:2]
+    if layer is None:  # one scatter per row (vmap: the rows are its batch dimension), written where the row lives
+        return jax.vmap(lambda buf_SKD, new_TKD, start: buf_SKD.at[start + jnp.arange(t)].set(
+            new_TKD.astype(buf.dtype), mode="drop"))(buf, new_BTKD, start_B)
+    # Stacked: rows and positions indexed together. Under a mesh whose "data" axis splits the batch the partitioner
+    # gathers every row's new entries for this (small: T tokens per row); the per-row form above, with the rows a
+    # middle dimension, was transposed whole by XLA (0.03 s -> 2.7 s for 256 writes on the CPU).
     rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     pos_BT = start_B[:, None] + jnp.arange(t)[None, :]
-    index = (rows_BT, pos_BT) if layer is None else (layer, rows_BT, pos_BT)
-    return buf.at[index].set(new_BTKD.astype(buf.dtype), mode="drop")
+    return buf.at[layer, rows_BT, pos_BT].set(new_BTKD.astype(buf.dtype), mode="drop")
 
 
 def commit(cache: KVCache, path_BN: jax.Array, num_accepted_B: jax.Array) -> KVCache:
