@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
     return [[5, 17, 99, 3, 42, 8, 200, 61, 7], [11, 12, 13, 14], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
-def decode(dense, draft, tiny, eagle3, only: tuple[str, ...] | None = None) -> dict:
+def decode(dense, draft, tiny, eagle3, dspark, only: tuple[str, ...] | None = None) -> dict:
     """The loops the test compares (all, or those named in `only`), on targets already loaded (one device or a
     mesh): name -> tokens."""
     import specjax
@@ -56,6 +56,8 @@ def decode(dense, draft, tiny, eagle3, only: tuple[str, ...] | None = None) -> d
         "tiny/plain": lambda: specjax.generate(tiny, p, **KW).tokens,
         "tiny/eagle3_chain": lambda: specjax.generate(tiny, p, drafter=eagle3, num_draft_tokens=3, **KW).tokens,
         "tiny/stream": streamed,
+        "tiny/dspark_confidence_scheduler": lambda: specjax.generate(tiny, p, drafter=dspark, num_draft_tokens=4,
+                                                                     scheduler="confidence", **KW).tokens,
         "tiny/inspect_draft": lambda: specjax.inspect_draft(tiny, eagle3, p[1], num_draft_tokens=3).tokens.tolist(),
     }
     return {name: run() for name, run in loops.items() if only is None or name in only}
@@ -63,14 +65,14 @@ def decode(dense, draft, tiny, eagle3, only: tuple[str, ...] | None = None) -> d
 
 def load_all(work: Path, mesh=None, dense=None):
     """The dense HF target (or `dense`, loaded already) and its draft model (safetensors, built by the test), the
-    shipped tiny target (orbax) and its EAGLE-3 head, on `mesh` (one device when None)."""
+    shipped tiny target (orbax) and its EAGLE-3 and DSpark heads, on `mesh` (one device when None)."""
     import specjax
 
     kw = {} if mesh is None else {"mesh": mesh}
     dense = dense or specjax.load(work / "dense", **kw)
     tiny = specjax.load(ROOT / "checkpoints/tiny/target", **kw)
-    return dense, specjax.load_drafter(work / "draft", dense), tiny, specjax.load_drafter(
-        ROOT / "checkpoints/tiny/eagle3", tiny)
+    heads = [specjax.load_drafter(ROOT / "checkpoints/tiny" / name, tiny) for name in ("eagle3", "dspark")]
+    return dense, specjax.load_drafter(work / "draft", dense), tiny, *heads
 
 
 def main(process_id: int, port: int, work: Path) -> None:
@@ -78,10 +80,11 @@ def main(process_id: int, port: int, work: Path) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=NUM_PROCESSES, process_id=process_id)
+    import numpy as np
     from sharded_check import ReadLog
 
     import specjax
-    from specjax.models.sharding import device_mesh
+    from specjax.models.sharding import agreed, agreed_json, device_mesh
 
     start = time.perf_counter()
     report = {"process_index": jax.process_index(), "devices": jax.device_count(),
@@ -97,6 +100,8 @@ def main(process_id: int, port: int, work: Path) -> None:
                                   "q_proj_local_shards": [list(s.data.shape) for s in
                                                           dense.params["layers"][0]["wq"].addressable_shards],
                                   "seconds": time.perf_counter() - began}
+    # what the host decides from timings is process 0's everywhere
+    report["agreed"] = [int(agreed(np.asarray(jax.process_index()))), agreed_json({"from": jax.process_index()})]
     report["seconds"] = time.perf_counter() - start
     (work / f"process-{process_id}.json").write_text(json.dumps(report))
 

@@ -1,9 +1,10 @@
 """Two processes on localhost, one jax.distributed job of 8 CPU devices (4 each), decode what one device decodes.
 
 The processes (tests/multihost_check.py) load a safetensors target and draft model built here and the shipped
-orbax target and EAGLE-3 head on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one device's tokens
-for plain, speculative (draft chain and tree, EAGLE-3), sampled (per-prompt seeds), streamed decoding and
-inspect_draft, reading only its own devices' slices of the weights. The CLI's --coordinator form likewise.
+orbax target with its EAGLE-3 and DSpark heads on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one
+device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark with the confidence scheduler),
+sampled (per-prompt seeds), streamed decoding and inspect_draft, reading only its own devices' slices of the weights,
+and every host-made decision must be process 0's. The CLI's --coordinator form likewise.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def test_every_process_decodes_one_devices_tokens_on_both_meshes(work, reports):
     assert want["dense/sampled_plain"] != want["dense/plain"] and len({tuple(t) for t in want["dense/plain"]}) == 3
     for report in reports:
         assert (report["devices"], report["local_devices"]) == (NUM_PROCESSES * LOCAL_DEVICES, LOCAL_DEVICES)
+        assert report["agreed"] == [0, {"from": 0}]
         for mesh in MESHES:
             got = report["meshes"][mesh]["tokens"]
             assert set(got) == set(LOOPS[mesh] or want), (mesh, sorted(got))

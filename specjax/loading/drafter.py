@@ -31,7 +31,7 @@ from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.mtp import MtpDrafter, mtp_config
 from specjax.loading.target import load
 from specjax.models.decoder import has_layer_list
-from specjax.models.sharding import abstract, param_shardings, place, replicated
+from specjax.models.sharding import abstract, param_shardings, place, replicated, to_host
 
 
 def drafter_family(path: str | Path) -> str:
@@ -194,8 +194,8 @@ def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
     """
 
-    embed = np.asarray(target.params["embed"])
-    lm_head = np.asarray(target.params["lm_head"]) if "lm_head" in target.params else embed.T
+    embed = to_host(target.params["embed"])  # split over the model axis, maybe over other processes' devices too
+    lm_head = to_host(target.params["lm_head"]) if "lm_head" in target.params else embed.T
     cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
     cfg = dataclasses.replace(cfg, block=dataclasses.replace(cfg.block, layers=_with_theta(cfg.block.layers,
                                                                                            rope_theta)))
