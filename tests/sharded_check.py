@@ -205,6 +205,8 @@ def part_dense(work: Path, checks: Checks) -> None:
                        sampled_draft_chain=gen(target, draft, num_draft_tokens=2, **sampled),
                        inspect_draft=specjax.inspect_draft(target, draft, prompts[1],
                                                            num_draft_tokens=3).tokens.tolist())
+        if name == "dp2_tp4":  # "auto" on the mesh, its pass costs from a profile measured there
+            got["auto"] = auto_on_mesh(checks, f"dense/{name}", work, target, draft, prompts, kw)
         for kind, tokens in got.items():
             checks.same(f"dense/{name}/{kind} equals one device", tokens, want.get(kind, want["plain"]))
         n = model_size(mesh)
@@ -235,6 +237,43 @@ def part_dense(work: Path, checks: Checks) -> None:
                     (data,))
 
 
+def auto_on_mesh(checks: Checks, name: str, work: Path, target, drafter, prompts, kw: dict) -> list:
+    """profile() on the target's mesh (finite positive times, keyed by the mesh), saved beside a one-device entry;
+    then generate(..., "auto") with $SPECJAX_PROFILE at that file, which must plan from the mesh's entry. The
+    tokens it generated (the loops "auto" times run on the mesh too)."""
+    import dataclasses
+    import json
+    import math
+
+    import specjax
+    from specjax.models.sharding import mesh_label
+    from specjax.planning.profile import profile, save_profile
+
+    prof = profile(target, drafter, batches=(1,), nodes=(1, 2), cache_lens=(16,), draft_depths=(1,), repeats=1)
+    seconds = [r["seconds"] for r in prof.verify + prof.propose]
+    checks.add(f"{name}/profile times finite and positive", len(seconds) == 3
+               and all(math.isfinite(x) and x > 0 for x in seconds), f"seconds {seconds}")
+    label = mesh_label(target.mesh)
+    checks.add(f"{name}/profile keyed by the mesh", label == "dp2xtp4" and prof.key.endswith("|dp2xtp4"),
+               f"key {prof.key}")
+    path = work / "profiles.json"
+    one_device = dataclasses.replace(prof, mesh="")
+    save_profile(one_device, path)
+    save_profile(prof, path)
+    entries = json.loads(path.read_text())["profiles"]
+    checks.add(f"{name}/one-device profile entry unchanged", sorted(entries) == sorted([one_device.key, prof.key])
+               and "mesh" not in entries[one_device.key] and entries[prof.key]["mesh"] == label, sorted(entries))
+    os.environ["SPECJAX_PROFILE"] = str(path)
+    try:
+        out = specjax.generate(target, prompts, drafter=drafter, num_draft_tokens="auto", **kw)
+    finally:
+        del os.environ["SPECJAX_PROFILE"]
+    plan = out.stats.get("plan") or {}
+    checks.add(f"{name}/auto planned from the mesh's profile", "shape" in plan and
+               str(plan.get("cost")).startswith(f"measured profile {prof.key} "), f"plan {plan}")
+    return out.tokens
+
+
 def data_axis(mesh) -> str | None:
     """"data" when the mesh has data-parallel replicas (a size-1 axis never appears in a spec)."""
     return "data" if dict(zip(mesh.axis_names, mesh.axis_sizes))["data"] > 1 else None
@@ -260,9 +299,16 @@ def part_heads(work: Path, checks: Checks) -> None:
         mtp = specjax.load_drafter(embedded("mtp"), target)
         got = {"plain": gen(target), "eagle3_chain": gen(target, eagle3, num_draft_tokens=3)}
         if full:
+            dspark = specjax.load_drafter(embedded("dspark"), target)
             got.update(eagle3_tree=gen(target, eagle3, tree="kary:2,1"), mtp_chain=gen(target, mtp, num_draft_tokens=2),
                        dflash_chain=gen(target, specjax.load_drafter(embedded("dflash"), target), num_draft_tokens=3),
-                       dspark_chain=gen(target, specjax.load_drafter(embedded("dspark"), target), num_draft_tokens=3))
+                       dspark_chain=gen(target, dspark, num_draft_tokens=3))
+        if name == "dp2_tp4":  # the prefix scheduler over DSpark's confidences, its cost curve measured on the mesh
+            out = specjax.generate(target, prompts, drafter=dspark, num_draft_tokens=3, scheduler="confidence",
+                                   scheduler_profile="measure", **kw)
+            got["dspark_scheduler"] = out.tokens
+            cost = out.stats["scheduler"]["cost"]
+            checks.add(f"heads/{name}/scheduler cost measured on the mesh", "|dp2xtp4 " in cost, cost)
         if name == "dp2_tp4":  # the chunked loop (start, then advance with the state donated back)
             streamed = [[] for _ in prompts]
             for chunk in specjax.stream(target, prompts, drafter=eagle3, num_draft_tokens=3, **kw):

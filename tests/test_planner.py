@@ -4,6 +4,7 @@ and generate(..., "auto")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -230,6 +231,34 @@ def test_profile_measures_every_shape_and_round_trips_through_json(tiny_profile,
     assert back.draft_s(4, 3) > 0
     with pytest.raises(ValueError, match="holds 2 profiles"):
         load_profile(path)
+
+
+def test_a_mesh_profile_has_its_own_key_and_a_one_device_entry_reads_as_before(tmp_path):
+    from jax.sharding import AbstractMesh
+
+    from specjax.models.sharding import mesh_label
+    from specjax.planning.profile import device_kind, model_name, profile_key_for
+
+    assert [mesh_label(m) for m in (None, AbstractMesh((1, 1), ("data", "model")), AbstractMesh((1, 8), ("data",
+            "model")), AbstractMesh((2, 1), ("data", "model")), AbstractMesh((2, 4), ("data", "model")))] == \
+        ["", "", "tp8", "dp2", "dp2xtp4"]
+    rows = [{"batch": 1, "nodes": 1, "cache_len": 0, "seconds": 1e-3, "all_seconds": [1e-3]}]
+    one, split = Profile("cpu", "m", "float32", rows), Profile("cpu", "m", "float32", rows, mesh="tp8")
+    assert one.key == "cpu|m|float32" and split.key == "cpu|m|float32|tp8"
+    assert "mesh" not in one.to_dict() and split.to_dict()["mesh"] == "tp8"
+    path = save_profile(split, save_profile(one, tmp_path / "p.json"))
+    assert load_profile(path, one.key) == one and load_profile(path, split.key) == split
+    # a file written before profiles knew meshes: the same entry, read the same way
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"profiles": {one.key: {"device": "cpu", "model": "m", "dtype": "float32",
+                                                      "verify": rows, "propose": [], "meta": {}}}}))
+    assert load_profile(old) == one == load_profile(old, one.key)
+    cfg = tiny_target(1).cfg  # this device's entries for it, one device and TP 8: each target finds its own
+    here = Profile(device_kind(), model_name(cfg), "float32", rows)
+    both = save_profile(dataclasses.replace(here, mesh="tp8"), save_profile(here, tmp_path / "both.json"))
+    assert profile_key_for(cfg, both) == here.key
+    assert profile_key_for(cfg, both, AbstractMesh((1, 8), ("data", "model"))) == here.key + "|tp8"
+    assert profile_key_for(cfg, both, AbstractMesh((1, 2), ("data", "model"))) is None
 
 
 def test_profile_cli_writes_json(tmp_path, capsys):

@@ -4,7 +4,8 @@ On one device here: the rules table applied to shapes (an abstract mesh needs no
 wrong mesh (test_lazy_reads.py checks the per-slice reading). On 8 fake CPU devices, in
 a subprocess (tests/sharded_check.py, part "dense"): an HF dense target at TP 2, TP 8 and DP 2 x TP 4, whose greedy
 (plain, draft model chain and tree, n-gram), sampled and inspect_draft outputs equal one device's, whose weights and
-caches split as the rules say, and whose devices each read only their slice of the safetensors files.
+caches split as the rules say, and whose devices each read only their slice of the safetensors files; there
+profile() times its passes on the mesh and "auto" plans from that profile.
 test_sharding_drafters.py, test_sharding_hybrid.py and test_sharding_moe.py run the other parts.
 """
 
@@ -124,10 +125,21 @@ def dense(tmp_path_factory):
 
 
 def test_dense_tokens_equal_one_device(dense):
-    # per mesh: plain and draft chain; at TP 8 and DP 2 x TP 4 also draft tree, n-gram, sampled, inspect_draft
+    # per mesh: plain and draft chain; at TP 8 and DP 2 x TP 4 also draft tree, n-gram, sampled, inspect_draft; at
+    # DP 2 x TP 4 "auto" too
     count, bad = failed(dense, "equals one device")
-    assert count == 2 + 7 + 7 and bad == {}
+    assert count == 2 + 7 + 8 and bad == {}
     assert failed(dense, "dense/greedy rows differ")[1] == {} and failed(dense, "sampling differs")[1] == {}
+
+
+def test_profile_and_auto_run_on_the_mesh(dense):
+    # profile() at DP 2 x TP 4: finite positive times under the key device|model|dtype|dp2xtp4, saved beside a
+    # one-device entry (written as before: no "mesh" field); "auto" with $SPECJAX_PROFILE at that file plans from
+    # the mesh's entry (its tokens are checked above)
+    for words in ("profile times finite and positive", "profile keyed by the mesh", "one-device profile entry",
+                  "auto planned from the mesh's profile"):
+        count, bad = failed(dense, "dense/dp2_tp4/" + words)
+        assert count == 1 and bad == {}, words
 
 
 def test_dense_weights_split_by_the_rules(dense):

@@ -141,6 +141,12 @@ def axis_size(mesh, axis: str) -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))[axis]
 
 
+def mesh_label(mesh) -> str:
+    """A mesh's shape for keys and file names: "" for none or one device, else "tp8", "dp2", "dp2xtp4"."""
+    data, model = axis_size(mesh, "data"), axis_size(mesh, "model")
+    return "x".join(f"{name}{size}" for name, size in (("dp", data), ("tp", model)) if size > 1)
+
+
 def head_counts(cfg: ModelConfig) -> dict[str, int]:
     """For the head axes, the number of heads a flattened [.., heads x head_dim] dimension holds: they split only
     in whole heads. Other names split by their dimension's size."""

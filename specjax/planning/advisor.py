@@ -381,11 +381,13 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-lens", default="256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/profile.json", help="profile JSON (profiles are added under their key)")
+    p.add_argument("--tensor-parallel", type=int, default=None,
+                   help="load the target split over this many devices and time it there (keyed with the mesh: tp8)")
 
 
 def profile_main(args: argparse.Namespace) -> int:
 
-    target = load(args.target or str(DEFAULT_TARGET))
+    target = load(args.target or str(DEFAULT_TARGET), tensor_parallel=args.tensor_parallel)
     drafter = load_drafter(args.drafter, target) if args.drafter else None
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")

@@ -15,9 +15,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specjax.decoding.request import bucket, prompt_ids, timing_context
+from specjax.decoding.request import batch_bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
-from specjax.models.sharding import agreed_json
+from specjax.models.sharding import agreed_json, axis_size
 from specjax.planning.calibration import calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import cost_for_run, time_propose
@@ -35,7 +35,9 @@ TIMED_CHAINS = (1, 2, 3, 4, 8)
 # when that is larger: at batch 1 a round takes a fraction of a millisecond and the timings move by several
 # percent. A near-tie is not worth running slower.
 AUTO_MIN_GAIN = 0.02
-_AUTO_PLANS: weakref.WeakKeyDictionary | None = None  # Target -> {key: AutoMeasurements}
+# Target -> {key: AutoMeasurements}: per Target object (a target loaded on another mesh is another object, measured
+# on its own mesh; its loops' compile keys hold their arguments' shardings, request.params_signature)
+_AUTO_PLANS: weakref.WeakKeyDictionary | None = None
 
 
 @dataclasses.dataclass
@@ -70,7 +72,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     if _AUTO_PLANS is None:
         _AUTO_PLANS = weakref.WeakKeyDictionary()
     ids = prompt_ids(target, prompts)
-    batch = bucket(len(ids), minimum=1)
+    batch = batch_bucket(len(ids), axis_size(getattr(target, "mesh", None), "data"))  # the rows the loops run
     trees = trees and drafter_takes_trees(drafter, target)
     # Block drafters (DFlash, DSpark) draft at most one block per round: chains never longer than that.
     max_chain = min(16, getattr(drafter, "max_draft_tokens", 16))

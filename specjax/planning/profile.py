@@ -14,8 +14,9 @@ Two sources, one interface (`CostModel`: verify_s(batch, nodes) and draft_s(batc
 - `Profile`: times measured on this device by `profile()` (one verify round: forward +
   lm_head + acceptance + commit, several rounds per jitted call as the loop runs them,
   median of repeats; and the drafter's propose), interpolated piecewise-linearly in T.
-  Saved as JSON keyed by device kind, model and dtype, so one file can hold several
-  machines' profiles.
+  Saved as JSON keyed by device kind, model and dtype (and the mesh's shape, "tp8",
+  for a target on a mesh, where the passes run split as the loops run them), so one
+  file can hold several machines' profiles.
 
 Draft time: `relative_draft` (a fixed fraction of one target step per drafted level, the
 published model's assumption) or a profile's measured propose times (linear in depth).
@@ -42,7 +43,7 @@ from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
-from specjax.models.sharding import agreed
+from specjax.models.sharding import agreed, constrain_cache, mesh_label, place_batch, use_mesh
 from specjax.models.target import format_count
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
@@ -379,16 +380,17 @@ def local_device() -> str:
 
 def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: float | None,
                routing: Sequence[tuple[int, float]] | None = None, tensor_parallel: int = 1,
-               sampled: bool = False) -> CostModel:
+               sampled: bool = False, mesh=None) -> CostModel:
     """A profile JSON (path), or a roofline on a known device for this target and (when it has a config) draft model;
     an MoE target's roofline reads the experts of `routing` (measured, `routing_curve`) or of uniform routing. With
     tensor_parallel = n the target is priced split over n devices of the roofline's kind (a profile is measured
-    on the devices it ran on: n must be 1); the drafter is priced whole on one device (replicated)."""
+    on the devices it ran on: n must be 1; `mesh`, the target's, picks its entry); the drafter is priced whole on
+    one device (replicated)."""
     if device.endswith(".json") or Path(device).is_file():
         if tensor_parallel != 1:
             raise ValueError(f"--tensor-parallel {tensor_parallel} prices a split target by roofline; a profile JSON "
                              "holds times measured where it ran: drop --tensor-parallel, or pass --device h100|h200")
-        return load_profile(device, profile_key_for(target_cfg, device)).cost(cache_len)
+        return load_profile(device, profile_key_for(target_cfg, device, mesh)).cost(cache_len)
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)} or a profile JSON file, got {device!r}")
     roof = Roofline.for_config(target_cfg, DEVICES[device], cache_len, tensor_parallel, sampled)
@@ -434,12 +436,13 @@ def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Calla
             f"{name} head {count / 1e6:.2f}M ({width}-byte weights) by roofline per level")
 
 
-def profile_key_for(cfg, path: str | Path) -> str | None:
-    """This device's key for cfg when the file at path holds it, else None (load_profile then wants a single entry)."""
+def profile_key_for(cfg, path: str | Path, mesh=None) -> str | None:
+    """This device's key for cfg (on `mesh`, when the target has one) when the file at path holds it, else None
+    (load_profile then wants a single entry)."""
     path = Path(path)
     if not path.is_file():
         return None
-    key = profile_key(device_kind(), model_name(cfg), str(cfg.dtype))
+    key = profile_key(device_kind(), model_name(cfg), str(cfg.dtype), mesh_label(mesh))
     return key if key in (json.loads(path.read_text()).get("profiles") or {}) else None
 
 
@@ -485,7 +488,7 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
     if setting == "roofline":
         return cost_model(local_device(), target.cfg, drafter, cache_len, None)
     if setting:
-        base = cost_model(setting, target.cfg, drafter, cache_len, None)
+        base = cost_model(setting, target.cfg, drafter, cache_len, None, mesh=getattr(target, "mesh", None))
     else:
         longest = getattr(drafter, "max_draft_tokens", max(AUTO_PROFILE_DEPTHS))  # block drafters: one block
         depths = tuple(sorted({min(d, longest) for d in AUTO_PROFILE_DEPTHS}))
@@ -542,7 +545,8 @@ def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
 
 @dataclasses.dataclass
 class Profile:
-    """Measured verify-round and propose times for one (device, model, dtype).
+    """Measured verify-round and propose times for one (device, model, dtype) and, for a target on a mesh, the
+    mesh's shape (`sharding.mesh_label`: "tp8", "dp2xtp4"; "" on one device).
 
     verify: {"batch", "nodes", "cache_len", "seconds", "all_seconds"} per shape;
     propose: {"batch", "depth", "seconds", "all_seconds"} per shape (empty without a drafter).
@@ -554,10 +558,11 @@ class Profile:
     verify: list[dict[str, Any]]
     propose: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mesh: str = ""
 
     @property
     def key(self) -> str:
-        return profile_key(self.device, self.model, self.dtype)
+        return profile_key(self.device, self.model, self.dtype, self.mesh)
 
     @property
     def cache_lens(self) -> list[int]:
@@ -600,7 +605,11 @@ class Profile:
                          f"measured profile {self.key}" + (f" at cache {cache_len}" if cache_len else ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON entry; "mesh" only when there is one (a one-device entry is written as before it existed)."""
+        d = dataclasses.asdict(self)
+        if not self.mesh:
+            del d["mesh"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -608,15 +617,16 @@ class Profile:
         if missing:
             raise ValueError(f"a profile needs fields {sorted(missing)}; was it written by specjax profile?")
         return cls(d["device"], d["model"], d["dtype"], list(d["verify"]), list(d.get("propose") or []),
-                   dict(d.get("meta") or {}))
+                   dict(d.get("meta") or {}), str(d.get("mesh") or ""))
 
 
-def profile_key(device: str, model: str, dtype: str) -> str:
-    return f"{device}|{model}|{dtype}"
+def profile_key(device: str, model: str, dtype: str, mesh: str = "") -> str:
+    """device|model|dtype, then |mesh for a target on a mesh (times measured split differ from one device's)."""
+    return f"{device}|{model}|{dtype}" + (f"|{mesh}" if mesh else "")
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:
-    """Add (or replace) this profile in the JSON file at path, keyed by device|model|dtype."""
+    """Add (or replace) this profile in the JSON file at path, keyed by device|model|dtype[|mesh]."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.is_file() else {}
     data.setdefault("profiles", {})[profile.key] = profile.to_dict()
@@ -692,49 +702,53 @@ def time_verify_round(target, batch: int, nodes: int, cache_len: int, repeats: i
         return params, cache.commit(verdict.path, verdict.num_accepted), tokens_BN, lengths_B
 
     def rounds_fn(params, cache, tokens_BN, lengths_B):
-        return jax.lax.fori_loop(0, steps, round_fn, (params, cache, tokens_BN, lengths_B))[1]
+        # constrained as allocated: the cache comes back in the shardings it went in with (one compile)
+        return constrain_cache(jax.lax.fori_loop(0, steps, round_fn, (params, cache, tokens_BN, lengths_B))[1])
 
     s = round_cache_length(cache_len + nodes + 1)
-    cache = merge(cfg, params).init_cache(batch, s)
-    tokens_BN = jax.random.randint(jax.random.key(1), (batch, nodes), 0, cfg.vocab_size, jnp.int32)
-    lengths_B = jnp.full((batch,), cache_len, jnp.int32)
+    mesh = getattr(target, "mesh", None)
+    tokens_BN, lengths_B = place_batch(
+        (np.asarray(jax.random.randint(jax.random.key(1), (batch, nodes), 0, cfg.vocab_size, jnp.int32)),
+         np.full((batch,), cache_len, np.int32)), mesh)
     run_rounds = jax.jit(rounds_fn, donate_argnums=1)
-    state = {"cache": cache}
+    with use_mesh(mesh):  # as the loops compile: the cache allocated (and constrained) under the target's mesh
+        state = {"cache": jax.jit(lambda p: merge(cfg, p).init_cache(batch, s))(params)}
 
-    def run():
-        state["cache"] = run_rounds(params, state["cache"], tokens_BN, lengths_B)
-        return state["cache"].lengths
+        def run():
+            state["cache"] = run_rounds(params, state["cache"], tokens_BN, lengths_B)
+            return state["cache"].lengths
 
-    med, all_s = _median_s(run, repeats)
+        med, all_s = _median_s(run, repeats)
     return med / steps, [t / steps for t in all_s]
 
 
 def time_propose(target, drafter, batch: int, depth, cache_len: int, repeats: int = 5) -> tuple[float, list[float]]:
     """Median seconds of the drafter's propose at this batch (state donated and reused) for a chain of `depth`,
-    or for the static tree `depth` when it is a TreeSpec (a draft model's tree levels cost more than a chain's)."""
-    import jax
-    import jax.numpy as jnp
-
+    or for the static tree `depth` when it is a TreeSpec (a draft model's tree levels cost more than a chain's).
+    On the target's mesh as the loops run it: the inputs split over "data", the state allocated under the mesh."""
     spec = chain(depth) if isinstance(depth, int) else depth
     depth = spec.max_depth
     s = round_cache_length(cache_len + spec.cache_slots + 2)
     configured = drafter.configure(Settings(spec, SamplingConfig(), s, bucket(depth + 1)))
     t = max(1, min(cache_len, s - depth - 2))
-    prompt_BT = jax.random.randint(jax.random.key(2), (batch, t), 0, target.cfg.vocab_size, jnp.int32)
-    feats = tuple(jnp.zeros((batch, t, target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))
+    prompt_BT = np.asarray(jax.random.randint(jax.random.key(2), (batch, t), 0, target.cfg.vocab_size, jnp.int32))
+    feats = tuple(np.zeros((batch, t, target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))
                   for _ in configured.feature_layers)
-    ctx = PrefillContext(prompt_BT, jnp.full((batch,), t, jnp.int32), prompt_BT[:, -1], feats)
-    dstate = jax.jit(configured.init)(configured.params, ctx)
-    root_B = prompt_BT[:, 0]
-    keys_B = jax.random.split(jax.random.key(3), batch)
-    step = jax.jit(lambda p, st, r, k: configured.propose(p, st, r, k), donate_argnums=1)
-    state = {"s": dstate}
+    key_data_B = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), batch)))
+    mesh = getattr(target, "mesh", None)
+    ctx, root_B, key_data_B = place_batch(
+        (PrefillContext(prompt_BT, np.full((batch,), t, np.int32), prompt_BT[:, -1], feats), prompt_BT[:, 0],
+         key_data_B), mesh)
+    step = jax.jit(lambda p, st, r, k: configured.propose(p, st, r, jax.random.wrap_key_data(k)), donate_argnums=1)
+    with use_mesh(mesh):
+        state = {"s": jax.jit(configured.init)(configured.params, ctx)}
 
-    def run():
-        draft, state["s"] = step(configured.params, state["s"], root_B, keys_B)
-        return draft.tokens
+        def run():
+            draft, state["s"] = step(configured.params, state["s"], root_B, key_data_B)
+            return draft.tokens
 
-    return _median_s(run, repeats)
+        run()  # on a mesh the state may come back in other shardings than init's: its compile happens here
+        return _median_s(run, repeats)
 
 
 def device_kind() -> str:
@@ -771,4 +785,5 @@ def profile(target, drafter=None, batches: Sequence[int] = (1, 4, 16, 64), nodes
                 log(f"propose batch {b:4d} depth {d:3d}: {med * 1e3:8.2f} ms")
     meta = {"params": target.cfg.num_params(), "repeats": repeats, "drafter": getattr(drafter, "name", None),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    return Profile(device_kind(), model_name(target.cfg), str(target.cfg.dtype), verify_rows, propose_rows, meta)
+    return Profile(device_kind(), model_name(target.cfg), str(target.cfg.dtype), verify_rows, propose_rows, meta,
+                   mesh_label(getattr(target, "mesh", None)))

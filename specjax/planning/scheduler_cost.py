@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
+from specjax.models.sharding import mesh_label
 from specjax.planning.profile import (
     CostModel,
     Profile,
@@ -25,7 +26,8 @@ from specjax.planning.profile import (
     profile_key_for,
 )
 
-_MEASURED: weakref.WeakKeyDictionary | None = None  # Target -> {(batch, widths, cache_len): Profile}
+# Target -> {(batch, widths, cache_len): Profile}: per Target object, and a target on another mesh is another object
+_MEASURED: weakref.WeakKeyDictionary | None = None
 
 
 def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len: int):
@@ -35,6 +37,7 @@ def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len:
     at this batch and the compiled widths now, cached per target); "roofline" (this device's estimate);
     None: the profile in $SPECJAX_PROFILE when it holds this device and model, else the roofline.
     """
+    mesh = getattr(target, "mesh", None)  # a profile's entry for this target is the one measured on its mesh
     if isinstance(source, CostModel):
         return source
     if isinstance(source, Profile):
@@ -51,14 +54,15 @@ def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len:
         return dataclasses.replace(cost, source=f"measured now at batch {batch}, widths {list(widths)}: {cost.source}")
     if source == "roofline" or source is None:
         path = os.environ.get("SPECJAX_PROFILE") if source is None else None
-        if path and Path(path).is_file() and profile_key_for(target.cfg, path) is not None:
-            return load_profile(path, profile_key_for(target.cfg, path)).cost(cache_len)
+        key = profile_key_for(target.cfg, path, mesh) if path else None
+        if key is not None:
+            return load_profile(path, key).cost(cache_len)
         cost = cost_model(local_device(), target.cfg, None, cache_len, 0.0)
-        key = profile_key(device_kind(), model_name(target.cfg), str(target.cfg.dtype))
+        key = profile_key(device_kind(), model_name(target.cfg), str(target.cfg.dtype), mesh_label(mesh))
         why = "" if source == "roofline" or path == "roofline" else \
             f" (no profile for {key} in $SPECJAX_PROFILE)" if path else " ($SPECJAX_PROFILE unset)"
         return dataclasses.replace(cost, source=f"estimate: {cost.source}{why}")
     if isinstance(source, (str, Path)):
-        return load_profile(source, profile_key_for(target.cfg, source)).cost(cache_len)
+        return load_profile(source, profile_key_for(target.cfg, source, mesh)).cost(cache_len)
     raise ValueError(f"scheduler_profile must be a Profile, a CostModel, a profile JSON path, 'measure', 'roofline' "
                      f"or None; got {source!r}")
