@@ -84,7 +84,8 @@ def main(process_id: int, port: int, work: Path) -> None:
     from sharded_check import ReadLog
 
     import specjax
-    from specjax.models.sharding import agreed, agreed_json, device_mesh
+    from specjax.models.sharding import device_mesh
+    from specjax.multihost import agreed, agreed_json
 
     start = time.perf_counter()
     report = {"process_index": jax.process_index(), "devices": jax.device_count(),

@@ -23,8 +23,8 @@ from specjax.decoding.sampling import choose_token, row_keys, split_rows
 from specjax.decoding.speculative import check_drafter_fits
 from specjax.decoding.tree import parse_tree
 from specjax.models.model import merge
-from specjax.models.sharding import to_host
 from specjax.models.target import Target
+from specjax.multihost import to_host
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ from specjax.config import SamplingConfig
 from specjax.decoding.decode import ar_advance, ar_generate, ar_start
 from specjax.decoding.request import GenerateOutput, LoopResult, Options, Request, finish, prepare, run_loop
 from specjax.decoding.stream import ChunkedRun
-from specjax.models.sharding import to_host
 from specjax.models.target import Target
+from specjax.multihost import to_host
 
 
 def plain_run(target: Target, req: Request, texts=None) -> tuple[Any, float, float, ChunkedRun | None]:

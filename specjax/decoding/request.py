@@ -23,8 +23,9 @@ from specjax.decoding.decode import LoopConfig, RowSettings
 from specjax.decoding.penalties import RowPenalties
 from specjax.decoding.sampling import RowSampling
 from specjax.decoding.stream import ChunkedRun, RowText, finish_reason
-from specjax.models.sharding import axis_size, moved_to, place_batch, use_mesh
+from specjax.models.sharding import axis_size, place_batch, use_mesh
 from specjax.models.target import Target
+from specjax.multihost import moved_to
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
 MAX_SEED = 2**32 - 1

@@ -35,8 +35,8 @@ from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, ancestor_mask, dept
 from specjax.decoding.verify import Draft, Verdict, verify
 from specjax.models.decoder import POST_NORM, Decoder
 from specjax.models.model import merge
-from specjax.models.sharding import agreed, to_host
 from specjax.models.target import Target
+from specjax.multihost import agreed, to_host
 
 SCHEDULERS = ("confidence", "prefix")
 
@@ -321,7 +321,7 @@ def spec_runner(target: Target, req, drafter: Drafter, spec, scheduler: str | No
         cost = scheduler_cost(batch, sched.widths, timing_context(req.ids, req.max_new_B.max()))
         # The drafter drafts all K every round whatever is admitted: its time is a fixed part of the round.
         overhead = cost.draft_s(batch, spec.num_nodes - 1)
-        # timed on each process: one table for all of them (models/sharding.py agreed)
+        # timed on each process: one table for all of them (specjax/multihost.py agreed)
         seconds_T = jnp.asarray(agreed(np.asarray(cost_table(cost.verify_s, batch, spec.num_nodes, overhead))))
         static, key = {"sched": sched}, (*key, sched)
         sched_info = {"mode": scheduler, "widths": list(sched.widths), "cost": cost.source,

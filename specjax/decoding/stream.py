@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
-from specjax.models.sharding import on_like, to_host
+from specjax.multihost import on_like, to_host
 
 # A chunk grows (4x its steps, from 1) until it takes this long: the first tokens come at once, and the per-chunk
 # cost (one dispatch, one small read, the host's detokenising) stays a few percent of the decode

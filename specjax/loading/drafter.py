@@ -31,7 +31,8 @@ from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.mtp import MtpDrafter, mtp_config
 from specjax.loading.target import load
 from specjax.models.decoder import has_layer_list
-from specjax.models.sharding import abstract, param_shardings, place, replicated, to_host
+from specjax.models.sharding import abstract, param_shardings, place, replicated
+from specjax.multihost import to_host
 
 
 def drafter_family(path: str | Path) -> str:

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from specjax.decoding.request import batch_bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
-from specjax.models.sharding import agreed_json, axis_size
+from specjax.models.sharding import axis_size
+from specjax.multihost import agreed_json
 from specjax.planning.calibration import calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import cost_for_run, time_propose

@@ -20,7 +20,7 @@ from specjax.config import SamplingConfig
 from specjax.decoding.plain import plain_generate
 from specjax.decoding.speculative import speculative_generate
 from specjax.decoding.tree import TreeSpec, chain, child_ranks
-from specjax.models.sharding import agreed
+from specjax.multihost import agreed
 from specjax.planning.planner import expected_tau
 from specjax.planning.profile import RunTimes
 
@@ -181,7 +181,7 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
     one_round()  # compiles: dropped below
     start = time.perf_counter()
     # How long to go on is decided from this process's clock: every process of a multi-host job runs process 0's
-    # count of rounds (each round's loops are collectives), and takes its timings (models/sharding.py agreed).
+    # count of rounds (each round's loops are collectives), and takes its timings (specjax/multihost.py agreed).
     while len(plain) <= repeats or agreed(np.asarray(time.perf_counter() - start < min_time_s
                                                      and len(plain) <= max_repeats)):
         one_round()

@@ -43,8 +43,9 @@ from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
-from specjax.models.sharding import agreed, constrain_cache, mesh_label, place_batch, use_mesh
+from specjax.models.sharding import constrain_cache, mesh_label, place_batch, use_mesh
 from specjax.models.target import format_count
+from specjax.multihost import agreed
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
 
@@ -669,7 +670,7 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    times = agreed(np.asarray(times)).tolist()  # a multi-host job plans from process 0's timings (sharding.agreed)
+    times = agreed(np.asarray(times)).tolist()  # a multi-host job plans from process 0's timings (multihost.agreed)
     return statistics.median(times), times
 
 

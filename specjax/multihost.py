@@ -1,0 +1,69 @@
+"""What crosses processes in a multi-host job (jax.distributed): every process runs the same program on the
+same prompts over one global mesh, so results are gathered to every process, host-made decisions are process
+0's everywhere, and arrays are moved with collectives where device_put cannot reach. In one process each is the
+plain operation (np.asarray, the value itself, device_put)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def to_host(tree):
+    """Every array of `tree` as a numpy array on this process. One split over other processes' devices as well (the
+    batch over a "data" axis that spans hosts) is gathered first, a collective every process runs in the same order,
+    so each process gets the whole result (jax.experimental.multihost_utils.process_allgather)."""
+
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(host, tree)
+
+
+def agreed(tree):
+    """`tree` (numpy arrays of the same shapes on every process) as process 0 has it, on every process. What the
+    host decides from timings (an "auto" plan, a scheduler's cost table) must be one decision across a multi-host
+    job: processes that chose differently would run different programs. Unchanged in a single process."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+def agreed_json(value):
+    """A JSON-able value as process 0 has it, on every process (its bytes' length first, then the bytes)."""
+    if jax.process_count() == 1:
+        return value
+    data = np.frombuffer(json.dumps(value, default=float).encode(), np.uint8)
+    size = int(agreed(np.asarray(data.size, np.int32)))
+    data = agreed(np.pad(data, (0, max(0, size - data.size)))[:size])
+    return json.loads(data.tobytes().decode())
+
+
+def moved_to(tree, shardings):
+    """`tree` with every array on its sharding in `shardings`: one already there is kept; one this process holds
+    whole is moved by device_put, any other (split over other processes' devices too) by a jitted copy."""
+
+    def move(x, sharding):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if x.is_fully_addressable and sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        return _copy_to(sharding)(x)
+
+    return jax.tree.map(move, tree, shardings)
+
+
+@functools.cache
+def _copy_to(sharding):
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def on_like(host, like: jax.Array) -> jax.Array:
+    """A host array placed as `like` is (its sharding, across processes too: each passes the same value)."""
+    return jax.device_put(np.asarray(host, like.dtype), like.sharding)
