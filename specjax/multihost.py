@@ -6,6 +6,7 @@ plain operation (np.asarray, the value itself, device_put)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 
 import jax
@@ -67,3 +68,18 @@ def _copy_to(sharding):
 def on_like(host, like: jax.Array) -> jax.Array:
     """A host array placed as `like` is (its sharding, across processes too: each passes the same value)."""
     return jax.device_put(np.asarray(host, like.dtype), like.sharding)
+
+
+def check_same_everywhere(what: str, value) -> None:
+    """A ValueError on every process unless each passed the same `value` (compared by a digest of its repr, all
+    processes' digests gathered): a multi-host job runs one program on one batch, so a process that brought other
+    prompts would decode someone else's rows or wait forever on a collective."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest()[:8], np.int64)
+    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+    differ = [i for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ValueError(f"every process of a multi-host job must pass the same {what}: processes {differ} differ "
+                         f"from process 0 (each process runs the whole batch; split requests between jobs, not "
+                         "between the processes of one)")

@@ -101,6 +101,13 @@ def main(process_id: int, port: int, work: Path) -> None:
                                   "q_proj_local_shards": [list(s.data.shape) for s in
                                                           dense.params["layers"][0]["wq"].addressable_shards],
                                   "seconds": time.perf_counter() - began}
+    # prompts that differ between the processes are refused on every process; unseeded sampling is process 0's draw
+    try:
+        specjax.generate(models[2], [prompts()[process_id]], max_new_tokens=2)
+        report["different_prompts"] = "decoded"
+    except ValueError as err:
+        report["different_prompts"] = str(err)
+    report["unseeded"] = specjax.generate(models[2], prompts(), temperature=1.0, **KW).tokens
     # what the host decides from timings is process 0's everywhere
     report["agreed"] = [int(agreed(np.asarray(jax.process_index()))), agreed_json({"from": jax.process_index()})]
     report["seconds"] = time.perf_counter() - start

@@ -89,6 +89,12 @@ def test_every_process_decodes_one_devices_tokens_on_both_meshes(work, reports):
             assert not wrong, f"process {report['process_index']} on {mesh}: {wrong}"
 
 
+def test_unseeded_sampling_is_one_draw_and_different_prompts_are_refused_everywhere(reports):
+    assert reports[0]["unseeded"] == reports[1]["unseeded"]
+    for report in reports:
+        assert "must pass the same prompts and settings: processes [1] differ" in report["different_prompts"]
+
+
 def test_each_process_reads_and_holds_only_its_devices_slices(reports):
     for report in reports:
         for mesh, (data, model) in MESHES.items():

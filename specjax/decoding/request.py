@@ -25,7 +25,7 @@ from specjax.decoding.sampling import RowSampling
 from specjax.decoding.stream import ChunkedRun, RowText, finish_reason
 from specjax.models.sharding import axis_size, place_batch, use_mesh
 from specjax.models.target import Target
-from specjax.multihost import moved_to
+from specjax.multihost import agreed, check_same_everywhere, moved_to
 
 CACHE_MULTIPLE = 128  # every KV cache length is a multiple of this: whole kernel blocks, fewer distinct shapes
 MAX_SEED = 2**32 - 1
@@ -192,7 +192,8 @@ def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int) -> tupl
 
     seeds_B, fold_B = np.zeros((batch,), np.uint32), np.zeros((batch,), np.uint32)
     if seed is None:
-        used = [secrets.randbelow(MAX_SEED + 1) for _ in range(n_rows)]
+        # drawn on each process; a multi-host job takes process 0's
+        used = agreed(np.asarray([secrets.randbelow(MAX_SEED + 1) for _ in range(n_rows)], np.int64)).tolist()
         seeds_B[:n_rows] = used
     elif isinstance(seed, (int, np.integer)):
         seeds_B[:] = check(seed)
@@ -294,6 +295,8 @@ def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: Sa
     batch = prompt_BT.shape[0]
     seeds_B, fold_B, used = row_seeds(seed, len(ids), batch)
     stop_ids = tuple(dict.fromkeys(eos_ids(target, eos_token_id) + options.stop_token_ids))
+    check_same_everywhere("prompts and settings", (ids, max_new_tokens, max_len, sampling, seeds_B.tolist(), stop_ids,
+                                                   options))
     stop_ids_BS = np.full((batch, bucket(len(stop_ids), minimum=1)), -1, np.int32)
     stop_ids_BS[:, :len(stop_ids)] = stop_ids
     rows = RowSettings(RowSampling.of(sampling, len(ids), batch), RowPenalties.of(options.penalties, len(ids), batch),
