@@ -633,3 +633,26 @@ def test_a_call_is_scored_with_its_prefill_and_its_slowest_row():
     assert diluted.speedup == pytest.approx((0.64 + 0.64) / (0.64 + rounds * 0.01))
     off = planner.score(planner.Shape("off", None, 1.0), 64, verify, draft, call=planner.Call(64, lambda b: 1.0))
     assert off.speedup == 1.0
+
+
+def test_the_local_roofline_prices_a_target_as_its_mesh_splits_it(monkeypatch):
+    """On an H100 a (2, 4) mesh's target is priced at TP 4, each replica running half the batch; on the CPU
+    (no link in DEVICES) the split is priced whole and the source says so."""
+    import specjax
+    from specjax.loading.embedded import embedded
+    from specjax.planning import profile
+
+    class Mesh24:
+        axis_names, axis_sizes = ("data", "model"), (2, 4)
+
+    target = dataclasses.replace(specjax.load(embedded("target")), mesh=Mesh24())
+    monkeypatch.setattr(profile, "local_device", lambda: "h100")
+    split = profile.local_roofline(target, None, 64, 0.0)
+    tp4 = profile.cost_model("h100", target.cfg, None, 64, 0.0, tensor_parallel=4)
+    assert split.verify_s(8, 4) == tp4.verify_s(4, 4) and split.verify_s(7, 4) == tp4.verify_s(4, 4)
+    assert split.collective_s(8, 4) == tp4.collective_s(4, 4) > 0
+    assert "dp2xtp4: 2 replicas of the batch" in split.source
+    monkeypatch.setattr(profile, "local_device", lambda: "cpu")
+    whole = profile.local_roofline(target, None, 64, 0.0)
+    assert "tp 4 priced whole (cpu has no link in DEVICES)" in whole.source
+    assert whole.verify_s(8, 4) == profile.cost_model("cpu", target.cfg, None, 64, 0.0).verify_s(4, 4)

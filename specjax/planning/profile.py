@@ -43,7 +43,7 @@ from specjax.decoding.tree import ancestor_mask, chain, depths, spec_arrays
 from specjax.decoding.verify import Draft, verify
 from specjax.models.model import merge
 from specjax.models.moe import distinct_experts, routed_experts
-from specjax.models.sharding import constrain_cache, mesh_label, place_batch, use_mesh
+from specjax.models.sharding import axis_size, constrain_cache, mesh_label, place_batch, use_mesh
 from specjax.models.target import format_count
 from specjax.multihost import agreed
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
@@ -404,6 +404,24 @@ def cost_model(device: str, target_cfg, drafter, cache_len: int, draft_cost: flo
     return roof.cost(draft, what)
 
 
+def local_roofline(target, drafter, cache_len: int, draft_cost: float | None) -> CostModel:
+    """This device's roofline for `target` as it runs: split over its mesh's model axis where the device table
+    prices a link (H100, H200; the CPU entry has none, so there it is priced whole, said in the source), each data
+    replica taking its share of the batch."""
+    mesh = getattr(target, "mesh", None)
+    device, data, model = local_device(), axis_size(mesh, "data"), axis_size(mesh, "model")
+    priced = model if DEVICES[device].link_bandwidth is not None else 1
+    cost = cost_model(device, target.cfg, drafter, cache_len, draft_cost, tensor_parallel=priced)
+    if data == 1 and priced == model:
+        return cost
+    rows = lambda b: -(-b // data)  # noqa: E731 (rows one replica runs)
+    note = (f"; {mesh_label(mesh)}: {data} replicas of the batch" if data > 1 else "") + \
+        (f"; tp {model} priced whole ({device} has no link in DEVICES)" if priced != model else "")
+    return CostModel(lambda b, n: cost.verify_s(rows(b), n), lambda b, d: cost.draft_s(rows(b), d),
+                     cost.source + note, None if cost.plain_s is None else lambda b: cost.plain_s(rows(b)),
+                     None if cost.collective_s is None else lambda b, n: cost.collective_s(rows(b), n))
+
+
 def drafter_roofline(drafter, device: DeviceSpec, cache_len: int) -> tuple[Callable[[int, int], float], str]:
     """draft_s(batch, depth) by roofline for any drafter, and what it assumed.
 
@@ -487,7 +505,7 @@ def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | 
     """
     setting = os.environ.get("SPECJAX_PROFILE", "")
     if setting == "roofline":
-        return cost_model(local_device(), target.cfg, drafter, cache_len, None)
+        return local_roofline(target, drafter, cache_len, None)
     if setting:
         base = cost_model(setting, target.cfg, drafter, cache_len, None, mesh=getattr(target, "mesh", None))
     else:

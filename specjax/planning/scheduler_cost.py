@@ -16,10 +16,9 @@ from specjax.models.sharding import mesh_label
 from specjax.planning.profile import (
     CostModel,
     Profile,
-    cost_model,
     device_kind,
     load_profile,
-    local_device,
+    local_roofline,
     model_name,
     profile,
     profile_key,
@@ -57,7 +56,7 @@ def scheduler_cost(target, source, batch: int, widths: Sequence[int], cache_len:
         key = profile_key_for(target.cfg, path, mesh) if path else None
         if key is not None:
             return load_profile(path, key).cost(cache_len)
-        cost = cost_model(local_device(), target.cfg, None, cache_len, 0.0)
+        cost = local_roofline(target, None, cache_len, 0.0)
         key = profile_key(device_kind(), model_name(target.cfg), str(target.cfg.dtype), mesh_label(mesh))
         why = "" if source == "roofline" or path == "roofline" else \
             f" (no profile for {key} in $SPECJAX_PROFILE)" if path else " ($SPECJAX_PROFILE unset)"
