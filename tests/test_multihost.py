@@ -122,3 +122,18 @@ def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
     assert len(lines(one.stdout)) == 2
     assert lines(job[0].stdout) == lines(one.stdout)
     assert lines(job[1].stdout) == []  # every process decodes, process 0 prints
+
+
+def test_the_clis_job_and_mesh_flags_refuse_what_is_incomplete(capsys):
+    from specjax.cli import main
+
+    tiny = str(ROOT / "checkpoints/tiny/target")
+    for flags, message in ((["--num-processes", "2"], "--num-processes join a multi-process job: add --coordinator"),
+                           (["--coordinator", "localhost:1"], "--coordinator needs --num-processes N and --process-id"),
+                           (["--mesh", "1,1", "--tensor-parallel", "1"], "pass --mesh D,M or --tensor-parallel N"),
+                           (["--mesh", "1,2"], "a (1, 2) mesh needs 2 devices, but this process sees 1")):
+        assert main(["generate", tiny, "--prompt", "x", *flags]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", tiny, "--prompt", "x", "--mesh", "2x4"])
+    assert "expected D,M (data-parallel replicas, tensor-parallel devices) like 2,4" in capsys.readouterr().err
