@@ -69,7 +69,7 @@ def load_all(work: Path, mesh=None, dense=None):
     import specjax
 
     kw = {} if mesh is None else {"mesh": mesh}
-    dense = dense or specjax.load(work / "dense", **kw)
+    dense = specjax.load(work / "dense", **kw) if dense is None else dense
     tiny = specjax.load(ROOT / "checkpoints/tiny/target", **kw)
     heads = [specjax.load_drafter(ROOT / "checkpoints/tiny" / name, tiny) for name in ("eagle3", "dspark")]
     return dense, specjax.load_drafter(work / "draft", dense), tiny, *heads
