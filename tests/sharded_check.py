@@ -71,13 +71,15 @@ class Checks:
 
 def meshes() -> dict:
     """The meshes every part runs on, and whether all of its loops run there (else plain and one speculative loop,
-    to keep the compiles few): TP 2, TP 8 (the first n local devices) and DP 2 x TP 4."""
+    to keep the compiles few): TP 2 (the first 2 local devices) and TP 8 (kv heads that do not divide replicate)
+    partly, DP 2 x TP 4 (a data axis and a model axis) whole."""
     import jax
 
     from specjax.models.sharding import tensor_parallel_mesh
 
     dp2_tp4 = jax.make_mesh((2, 4), ("data", "model"))  # jax's default Explicit axes: load takes them as Auto
-    return {"tp2": (tensor_parallel_mesh(2), False), "tp8": (tensor_parallel_mesh(8), True), "dp2_tp4": (dp2_tp4, True)}
+    return {"tp2": (tensor_parallel_mesh(2), False), "tp8": (tensor_parallel_mesh(8), False),
+            "dp2_tp4": (dp2_tp4, True)}
 
 
 def load_on(path: Path, mesh, **kw):

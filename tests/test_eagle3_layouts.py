@@ -205,8 +205,12 @@ def plain(target, prompts):
     return specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
 
 
-# Every layout drafts a chain, a static tree and a dynamic tree (inspect_draft shows a static tree of each below).
-RUNS = [(c, t) for c in CASES for t in ("chain:3", "kary:2,2", "dynamic:top_k=2,depth=2,total_tokens=6")]
+# Every layout drafts a chain and a tree, static or dynamic, each kind on a one-layer and a two-layer head
+# (inspect_draft shows a static tree of each below; test_multi_layer_trees_... checks both kinds node by node).
+STATIC, DYNAMIC = "kary:2,2", "dynamic:top_k=2,depth=2,total_tokens=6"
+TREES = {"specforge": STATIC, "speculators_llama": DYNAMIC, "speculators_qwen3": DYNAMIC, "modelopt": STATIC,
+         "deepspec": DYNAMIC}
+RUNS = [(c, t) for c in CASES for t in ("chain:3", TREES[c])]
 
 
 @pytest.mark.parametrize("case, tree", RUNS)

@@ -1,7 +1,7 @@
 """Speculative decoding on MoE targets: greedy output equals plain decoding for every family (chains, static and
-dynamic trees) on Qwen3-MoE (a dense layer among sparse ones) and Qwen3-Next (hybrid + MoE); the MTP layers
-Qwen3.5-MoE and Qwen3-Next ship (an MoE block with a shared expert) draft losslessly, their block is
-transformers' decoder layer; a sampled chain keeps an MoE target's distribution."""
+dynamic trees) on Qwen3-MoE (a dense layer among sparse ones), and for a rollback, trees and the block drafters on
+Qwen3-Next (hybrid + MoE); the MTP layers Qwen3.5-MoE and Qwen3-Next ship (an MoE block with a shared expert) draft
+losslessly, their block is transformers' decoder layer; a sampled tree keeps an MoE target's distribution."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ from specjax.models.target import Target
 
 # Four layers (the shared cases tap layers 1..4); Qwen3-MoE's layer 1 and Qwen3-Next's layer 2 are dense.
 TARGETS = {"qwen3_moe": dict(num_hidden_layers=4), "qwen3_next": {}}
+# Qwen3-MoE runs every shared case; Qwen3-Next (whose DeltaNet rollback test_hybrid_speculative.py checks case by
+# case on Qwen3.5) a rollback at depth 2, a static and a dynamic tree, and both block drafters.
+NEXT_CASES = [("wrong-at-2", "chain:4"), ("draft-model", "kary:3,2"),
+              ("eagle3", "dynamic:top_k=2,depth=2,total_tokens=5"), ("dflash", "chain:3"), ("dspark", "chain:4")]
+RUNS = [("qwen3_moe", n, t) for n, t in CASES] + [("qwen3_next", n, t) for n, t in NEXT_CASES]
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -57,7 +62,8 @@ def plain(target, prompts):
     return out
 
 
-@pytest.mark.parametrize("name, tree", CASES, ids=[f"{n}-{t if isinstance(t, str) else 'list'}" for n, t in CASES])
+@pytest.mark.parametrize("target, name, tree", RUNS, indirect=["target"],
+                         ids=[f"{a}-{n}-{t if isinstance(t, str) else 'list'}" for a, n, t in RUNS])
 def test_greedy_speculative_equals_plain(target, other, prompts, plain, name, tree):
     out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[],
                            drafter=make(name, target, other, plain), tree=tree)
@@ -67,6 +73,7 @@ def test_greedy_speculative_equals_plain(target, other, prompts, plain, name, tr
         assert out.stats["per_position_acceptance"][depth - 1] == 0.0
 
 
+@pytest.mark.parametrize("target", ["qwen3_next"], indirect=True)  # hybrid + MoE: both caches' narrow widths
 def test_prefix_scheduler_on_an_moe_target(target, prompts, plain):
     drafter = specjax.replay_drafter(plain.tokens, 256, corrupt_prob=0.4, confidence=True, confidence_noise=0.2)
     out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
@@ -158,7 +165,8 @@ def test_moe_mtp_block_is_transformers_decoder_layer(mtp_target):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("mtp_target, k", [("qwen3_5_moe", 1), ("qwen3_5_moe", 3), ("qwen3_next", 3)],
+                         indirect=["mtp_target"])
 def test_moe_mtp_drafts_losslessly(mtp_target, k):
     _, target, _ = mtp_target
     rng = np.random.default_rng(4)
@@ -180,11 +188,12 @@ def tiny_moe(seed: int) -> Target:
     return Target(init_params(cfg, jax.random.key(seed), scale=0.25), cfg, hf_config={})
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
-def test_sampled_output_has_the_target_distribution(tree):
+def test_sampled_output_has_the_target_distribution():
+    """A sampled tree on an MoE target (a node with one child verifies as a chain does; test_lossless_sampling.py
+    checks chains and trees on dense targets)."""
     target, draft = tiny_moe(2), tiny(7, layers=1)  # seed 2: 0.36 of the mass shared with the draft
     sampling = SamplingConfig(1.0)
-    out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=11, tree=tree,
+    out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=11, tree="kary:2,2",
                            eos_token_id=[], drafter=DraftModelDrafter(draft.cfg, draft.params))
     samples = np.array(out.tokens)
     ok, stat, threshold = chi_square_passes(samples, exact_distribution(target, sampling))
@@ -221,7 +230,7 @@ def test_specforge_qwen3_30b_a3b_head_config_loads_as_published():
     assert layer["wq"] == (4096, 32 * 128) and layer["wk"] == (4096, 4 * 128) and layer["wo"] == (32 * 128, 2048)
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
+@pytest.mark.parametrize("target, tree", [("qwen3_moe", "chain:3"), ("qwen3_next", "kary:2,2")], indirect=["target"])
 def test_eagle3_head_with_its_own_head_dim_is_lossless(target, prompts, plain, tree, tmp_path):
     """A tiny head shaped like SpecForge's (head_dim 32 with hidden / heads 16), written in its layout and loaded back
     through load_drafter on an MoE target."""
@@ -239,6 +248,7 @@ def test_eagle3_head_with_its_own_head_dim_is_lossless(target, prompts, plain, t
     assert out.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("target", ["qwen3_moe"], indirect=True)  # the draft model's experts are the point
 @pytest.mark.parametrize("tree", ["chain:3", "kary:2,2", "dynamic:top_k=2,depth=2,total_tokens=5"])
 def test_an_moe_draft_model_is_lossless(target, prompts, plain, tree, tmp_path):
     """A one-layer Qwen3-MoE as the draft model (its own experts and KV cache in the draft loop)."""
