@@ -36,12 +36,13 @@ def _free_compiled_executables():
     gc.collect()
 
 
-# The longest test files, longest first (cold, on 2 cores: test_planner.py ~7 min, the others 1.5-2.5 min). With
-# `--dist loadfile` a file runs whole on one worker in collection order, so a long file collected last (pytest
-# collects alphabetically) leaves the other worker idle at the end; starting the long ones first balances the run.
-LONGEST_FIRST = ("test_planner.py", "test_scheduler.py", "test_dynamic_tree.py", "test_demo.py", "test_dflash.py",
-                 "test_eagle3_tree.py", "test_lossless_sampling.py", "test_bench.py", "test_speculative.py",
-                 "test_sharding.py", "test_sharding_drafters.py")
+# The longest test files, longest first (cold, on 2 cores: test_moe_speculative.py ~4.5 min, the others 1.5-3.5
+# min). With `--dist loadfile` a file runs whole on one worker in collection order, so a long file collected last
+# (pytest collects alphabetically) leaves the other worker idle at the end; starting the long ones first balances the
+# run.
+LONGEST_FIRST = ("test_moe_speculative.py", "test_planner.py", "test_hybrid_speculative.py", "test_multihost.py",
+                 "test_moe.py", "test_stop_stream.py", "test_speculative.py", "test_eagle3_tree.py", "test_demo.py",
+                 "test_scheduler.py", "test_sharding.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,9 @@
 """One process of a two-process job (jax.distributed on localhost, 4 CPU devices each, gloo collectives).
 
 tests/test_multihost.py starts two of these with the same arguments but the process id, on checkpoints it built;
-each joins the job, builds one global DP 2 x TP 4 mesh over all 8 devices whose two axes both cross the processes
-(each data replica, and so each tensor-parallel group, holds two devices of each process), decodes and writes what
-it got to WORKDIR/process-I.json: every loop's tokens, and the largest part of each safetensors tensor this process
-read. The test compares both files with one device's tokens.
+each joins the job, builds the global meshes over all 8 devices (TP 8, and DP 2 x TP 4: one data replica per
+process), decodes and writes what it got to WORKDIR/process-I.json: every loop's tokens, and the largest part
+of each safetensors tensor this process read. The test compares both files with one device's tokens.
 
     python tests/multihost_check.py PROCESS_ID PORT WORKDIR      # twice, PROCESS_ID 0 and 1
 """
@@ -19,10 +18,13 @@ from pathlib import Path
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
-DATA, MODEL = 2, 4
+MESHES = {"tp8": (1, 8), "dp2_tp4": (2, 4)}
 ROOT = Path(__file__).resolve().parent.parent
 KW = dict(max_new_tokens=10, eos_token_id=[])
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=[3, 4, 5])
+# The loops each mesh runs (compiles are most of the time): TP across the processes plain and speculative, DP 2 x TP 4
+# (a data replica per process) everything.
+LOOPS = {"tp8": ("dense/plain", "dense/draft_chain", "tiny/eagle3_chain"), "dp2_tp4": None}
 READ = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
 
 
@@ -73,20 +75,6 @@ def load_all(work: Path, mesh=None, dense=None):
     return dense, specjax.load_drafter(work / "draft", dense), tiny, *heads
 
 
-def crossing_mesh():
-    """The job's (DATA, MODEL) mesh with both axes across the processes: replica r's model group is devices 2r, 2r+1
-    of one process then 2r, 2r+1 of the other (process 0 first in replica 0, last in replica 1), so every
-    tensor-parallel collective and the data axis's gathers cross the processes."""
-    import jax
-    import numpy as np
-
-    from specjax.models.sharding import MESH_AXES
-
-    mine = [[d for d in jax.devices() if d.process_index == p] for p in range(NUM_PROCESSES)]
-    rows = [mine[0][0:2] + mine[1][0:2], mine[1][2:4] + mine[0][2:4]]
-    return jax.sharding.Mesh(np.asarray(rows), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
 def main(process_id: int, port: int, work: Path) -> None:
     import jax
 
@@ -96,18 +84,23 @@ def main(process_id: int, port: int, work: Path) -> None:
     from sharded_check import ReadLog
 
     import specjax
+    from specjax.models.sharding import device_mesh
     from specjax.multihost import agreed, agreed_json
 
     start = time.perf_counter()
     report = {"process_index": jax.process_index(), "devices": jax.device_count(),
-              "local_devices": jax.local_device_count()}
-    mesh = crossing_mesh()
-    with ReadLog() as reads:
-        dense = specjax.load(work / "dense", mesh=mesh)
-    models = load_all(work, mesh, dense)
-    report["tokens"] = decode(*models)
-    report["largest_read"] = {k: reads.largest.get(k) for k in READ}
-    report["q_proj_local_shards"] = [list(s.data.shape) for s in dense.params["layers"][0]["wq"].addressable_shards]
+              "local_devices": jax.local_device_count(), "meshes": {}}
+    for name, shape in MESHES.items():
+        mesh = device_mesh(*shape)
+        with ReadLog() as reads:
+            dense = specjax.load(work / "dense", mesh=mesh)
+        models = load_all(work, mesh, dense)
+        began = time.perf_counter()
+        report["meshes"][name] = {"tokens": decode(*models, only=LOOPS[name]),
+                                  "largest_read": {k: reads.largest.get(k) for k in READ},
+                                  "q_proj_local_shards": [list(s.data.shape) for s in
+                                                          dense.params["layers"][0]["wq"].addressable_shards],
+                                  "seconds": time.perf_counter() - began}
     # prompts that differ between the processes are refused on every process; unseeded sampling is process 0's draw
     try:
         specjax.generate(models[2], [prompts()[process_id]], max_new_tokens=2)

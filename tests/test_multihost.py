@@ -1,8 +1,8 @@
 """Two processes on localhost, one jax.distributed job of 8 CPU devices (4 each), decode what one device decodes.
 
 The processes (tests/multihost_check.py) load a safetensors target and draft model built here and the shipped
-orbax target with its EAGLE-3 and DSpark heads on a DP-2 x TP-4 mesh whose data and model axes both span the two
-processes; each must get one device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark with the confidence scheduler),
+orbax target with its EAGLE-3 and DSpark heads on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one
+device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark with the confidence scheduler),
 sampled (per-prompt seeds), streamed decoding and inspect_draft, reading only its own devices' slices of the weights,
 and every host-made decision must be process 0's. The CLI's --coordinator form likewise.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from hf_tiny import build_hf_model, save_hf_model
-from multihost_check import LOCAL_DEVICES, MODEL, NUM_PROCESSES, READ, decode, load_all, prompts
+from multihost_check import LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ, decode, load_all, prompts
 
 import specjax
 
@@ -76,16 +76,17 @@ def reports(work) -> list[dict]:
     return [json.loads((work / f"process-{i}.json").read_text()) for i in range(NUM_PROCESSES)]
 
 
-def test_every_process_decodes_one_devices_tokens(work, reports):
+def test_every_process_decodes_one_devices_tokens_on_both_meshes(work, reports):
     want = decode(*load_all(work))
     assert want["dense/sampled_plain"] != want["dense/plain"] and len({tuple(t) for t in want["dense/plain"]}) == 3
     for report in reports:
         assert (report["devices"], report["local_devices"]) == (NUM_PROCESSES * LOCAL_DEVICES, LOCAL_DEVICES)
         assert report["agreed"] == [0, {"from": 0}]
-        got = report["tokens"]
-        assert set(got) == set(want), sorted(got)
-        wrong = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
-        assert not wrong, f"process {report['process_index']}: {wrong}"
+        for mesh in MESHES:
+            got = report["meshes"][mesh]["tokens"]
+            assert set(got) == set(LOOPS[mesh] or want), (mesh, sorted(got))
+            wrong = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+            assert not wrong, f"process {report['process_index']} on {mesh}: {wrong}"
 
 
 def test_unseeded_sampling_is_one_draw_and_different_prompts_are_refused_everywhere(reports):
@@ -96,9 +97,11 @@ def test_unseeded_sampling_is_one_draw_and_different_prompts_are_refused_everywh
 
 def test_each_process_reads_and_holds_only_its_devices_slices(reports):
     for report in reports:
-        assert report["largest_read"] == {k: pytest.approx(1 / MODEL) for k in READ}, report["largest_read"]
-        # wq [64, 8 heads x 8]: split over the model axis, this process's 4 devices hold 64 / MODEL columns each
-        assert report["q_proj_local_shards"] == [[64, 64 // MODEL]] * LOCAL_DEVICES, report["q_proj_local_shards"]
+        for mesh, (data, model) in MESHES.items():
+            r = report["meshes"][mesh]
+            assert r["largest_read"] == {k: pytest.approx(1 / model) for k in READ}, (mesh, r["largest_read"])
+            # wq [64, 8 heads x 8]: split over the model axis, this process's 4 devices hold 64 / model columns each
+            assert r["q_proj_local_shards"] == [[64, 64 // model]] * LOCAL_DEVICES, (mesh, r["q_proj_local_shards"])
 
 
 def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
