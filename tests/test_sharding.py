@@ -2,11 +2,10 @@
 
 On one device here: the rules table applied to shapes (an abstract mesh needs no devices) and the errors for a
 wrong mesh (test_lazy_reads.py checks the per-slice reading). On 8 fake CPU devices, in
-a subprocess (tests/sharded_check.py, part "dense"): an HF dense target at TP 2, TP 8 and DP 2 x TP 4, whose greedy
-(plain and draft model chain everywhere; tree and n-gram at DP 2 x TP 4), sampled and inspect_draft outputs (at DP 2
-x TP 4) equal one device's, whose weights and
-caches split as the rules say, and whose devices each read only their slice of the safetensors files; there
-profile() times its passes on the mesh and "auto" plans from that profile.
+a subprocess (tests/sharded_check.py, part "dense"): an HF dense target at TP 2, TP 8 and DP 2 x TP 4, whose plain
+and draft-model chain outputs (and at DP 2 x TP 4 also the draft tree, n-gram, sampled and inspect_draft ones)
+equal one device's, whose weights and caches split as the rules say, and whose devices each read only their slice
+of the safetensors files; there profile() times its passes on the mesh and "auto" plans from that profile.
 test_sharding_drafters.py, test_sharding_hybrid.py and test_sharding_moe.py run the other parts.
 """
 
