@@ -9,7 +9,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "specjax"
-KERNELS = ROOT / "kernels"
 # Each concept's rank: a module may import its own concept and lower ranks only. One name a folder
 # (or a top-level module); the README's layout section and docs/architecture.md describe each.
 RANKS = {
@@ -29,15 +28,12 @@ RANKS = {
 
 
 def module_name(path: Path) -> str:
-    if path.is_relative_to(KERNELS):
-        parts = ("specjax", "kernels", *path.relative_to(KERNELS).with_suffix("").parts)
-    else:
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_files() -> dict[str, Path]:
-    files = list(PACKAGE.rglob("*.py")) + list(KERNELS.rglob("*.py"))
+    files = list(PACKAGE.rglob("*.py"))
     return {module_name(p): p for p in files}
 
 
