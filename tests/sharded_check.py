@@ -33,6 +33,7 @@ def run_part(part: str, workdir: Path, timeout: int = 900) -> tuple[dict, float]
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env["SPECJAX_CPU_LAYOUT"] = "per_layer"  # CPU's own layout: the checks read per-layer weight slices
     root = str(Path(specjax.__file__).resolve().parent.parent)  # the specjax this test process imported
     env["PYTHONPATH"] = os.pathsep.join([root, str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), part, str(workdir)], env=env,

@@ -250,7 +250,7 @@ def bigram_pair():
                       head_dim=16)
     params = init_params(cfg, jax.random.key(0), scale=0.3)
     params["embed"] = params["embed"] * 30.0
-    target = Target(params, cfg, hf_config={}, attn_impl="xla")
+    target = Target(params, cfg, hf_config={}, attn_impl="xla", layout="per_layer")  # as the drafter below
     h, _, _ = forward(target.params, cfg, jnp.arange(V, dtype=jnp.int32)[:, None],
                       init_cache(cfg, V, 8, per_layer=True), attn_impl="xla")
     nxt = jnp.argmax(lm_head(target.params, cfg, h)[:, 0], axis=-1)

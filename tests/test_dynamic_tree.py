@@ -316,11 +316,12 @@ def test_greedy_speculative_equals_plain(target, other_model, prompts, plain):
 
 
 def test_greedy_equals_plain_with_eos_and_budgets_mid_round(target, other_model, prompts, plain):
-    """Ragged prompts; an EOS inside a self-drafted run; budgets that cut a round; a stacked-layout drafter."""
+    """Ragged prompts; an EOS inside a self-drafted run; budgets that cut a round; a per-layer drafter (the target
+    runs the suite's stacked layout)."""
     eos = plain.tokens[1][6]
-    stacked = specjax.load(target.path, layout="stacked")
+    per_layer = specjax.load(target.path, layout="per_layer")
     drafters = [DraftModelDrafter(target.cfg, target.params), DraftModelDrafter(other_model.cfg, other_model.params),
-                DraftModelDrafter(stacked.cfg, stacked.params)]
+                DraftModelDrafter(per_layer.cfg, per_layer.params)]
     for max_new in (5, 8):  # one output bucket: one compile per drafter
         ref = specjax.generate(target, prompts, max_new_tokens=max_new, eos_token_id=eos)
         for drafter in drafters:

@@ -49,7 +49,7 @@ def prompts():
 def test_stacked_pallas_path_equals_per_layer_xla_path(model_dir, prompts):
     """Stacked params + stacked cache + scan + kernel (interpret) = per-layer params + buffers + XLA attention."""
     gpu_like = specjax.load(model_dir, attn_impl="pallas", layout="stacked")
-    cpu = specjax.load(model_dir, attn_impl="xla")
+    cpu = specjax.load(model_dir, attn_impl="xla", layout="per_layer")
     assert not has_layer_list(gpu_like.params) and has_layer_list(cpu.params)
     kwargs = dict(max_new_tokens=12, eos_token_id=[])
     want = specjax.generate(cpu, prompts, **kwargs).tokens

@@ -27,7 +27,7 @@ def family_pair(request, tmp_path_factory):
     """(family, HF torch model, specjax target loaded straight from the HF directory)."""
     hf_model = build_hf_model(request.param)
     path = save_hf_model(hf_model, tmp_path_factory.mktemp(request.param))
-    return request.param, hf_model, specjax.load(path)
+    return request.param, hf_model, specjax.load(path, layout="per_layer")  # CPU's "auto"; each test sets its own
 
 
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "stacked"])
@@ -109,6 +109,19 @@ def test_legacy_config_fields_load_identically(family_pair, tmp_path):
         cfg["rope_scaling"] = rope
     (path / "config.json").write_text(json.dumps(cfg))
     assert specjax.load(path).cfg == target.cfg
+
+
+def test_cpu_layout_follows_the_environment(family_pair, monkeypatch):
+    """"auto" on CPU: per-layer unless SPECJAX_CPU_LAYOUT says stacked; any other value is refused by name."""
+    from specjax.models.target import serving_layout
+
+    params = family_pair[2].params
+    for env, per_layer in (("per_layer", True), ("stacked", False)):
+        monkeypatch.setenv("SPECJAX_CPU_LAYOUT", env)
+        assert merge(family_pair[2].cfg, serving_layout(params)).per_layer == per_layer
+    monkeypatch.setenv("SPECJAX_CPU_LAYOUT", "scan")
+    with pytest.raises(ValueError, match="SPECJAX_CPU_LAYOUT must be 'per_layer' or 'stacked', got 'scan'"):
+        serving_layout(params)
 
 
 def test_param_and_cache_layouts_agree(family_pair):

@@ -222,15 +222,16 @@ def test_sparse_layer_rules_and_errors():
                              "linear_num_value_heads": 1, "linear_key_head_dim": 4, "linear_value_head_dim": 4})
 
 
-def test_stacked_layout_runs_uniform_moe_and_refuses_mixed(tmp_path):
-    """All layers sparse: the stacked (accelerator) layout scans them and gives the per-layer logits; a dense
+def test_both_layouts_run_uniform_moe_and_stacked_refuses_mixed(tmp_path):
+    """All layers sparse: both layouts (stacked: the accelerator's, scanned) give transformers' logits; a dense
     layer among them: stacked is refused."""
     hf_model = build_moe("qwen3_moe", mlp_only_layers=[])
     path = save_hf_model(hf_model, tmp_path / "uniform")
     tokens = np.random.default_rng(6).integers(3, 256, size=(2, 12))
-    stacked = specjax.load(path, layout="stacked")
-    np.testing.assert_allclose(np.asarray(stacked.model(tokens, attn_impl="xla")), hf_logits(hf_model, tokens),
-                               atol=LOGIT_ATOL, rtol=0)
+    for layout in ("stacked", "per_layer"):
+        target = specjax.load(path, layout=layout)
+        np.testing.assert_allclose(np.asarray(target.model(tokens, attn_impl="xla")), hf_logits(hf_model, tokens),
+                                   atol=LOGIT_ATOL, rtol=0)
     mixed = save_hf_model(build_moe("qwen3_moe"), tmp_path / "mixed")
     with pytest.raises(ValueError, match="layers differ.*per-layer"):
         specjax.load(mixed, layout="stacked")

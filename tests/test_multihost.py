@@ -37,6 +37,7 @@ def job_env() -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}".strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env["SPECJAX_CPU_LAYOUT"] = "per_layer"  # CPU's own layout: the checks read per-layer weight slices
     root = str(Path(specjax.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env

@@ -17,8 +17,9 @@ MAX_NEW = 40
 def target(tmp_path_factory):
     # Untied: with random tied embeddings a token's own embedding dominates its logits and greedy decoding
     # repeats one token forever, which would make every equality below trivial.
+    # Per-layer, what "auto" runs on a CPU (the suite's default elsewhere is the stacked layout: conftest.py).
     model = build_hf_model("llama", seed=0, tie_word_embeddings=False)
-    return specjax.load(save_hf_model(model, tmp_path_factory.mktemp("target")))
+    return specjax.load(save_hf_model(model, tmp_path_factory.mktemp("target")), layout="per_layer")
 
 
 def test_target_output_is_not_degenerate(plain):

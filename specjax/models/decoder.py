@@ -269,7 +269,7 @@ class Decoder(nnx.Module):
 
         def keep(captured, layer, h):
             """Record h as the hidden state entering `layer` (static int or traced) if it was asked for."""
-            if not capture:
+            if not unique:  # nothing captured between layers (none asked for, or the post-norm state alone)
                 return captured
             if isinstance(layer, int):
                 return captured.at[unique.index(layer)].set(h) if layer in unique else captured

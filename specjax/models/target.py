@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +78,22 @@ def format_count(n: int) -> str:
 LAYOUTS = ("auto", "stacked", "per_layer")
 
 
+def cpu_layout() -> str:
+    """What "auto" picks on CPU: per_layer, or SPECJAX_CPU_LAYOUT ("per_layer" or "stacked")."""
+    layout = os.environ.get("SPECJAX_CPU_LAYOUT", "per_layer")
+    if layout not in ("per_layer", "stacked"):
+        raise ValueError(f"SPECJAX_CPU_LAYOUT must be 'per_layer' or 'stacked', got {layout!r}")
+    return layout
+
+
 def serving_layout(params: dict, layout: str = "auto", mixed: bool = False) -> dict:
     """The layer layout the loops run: per-layer arrays and KV buffers, or stacked layers under `lax.scan`.
 
     "auto": per-layer on CPU (XLA CPU copies a layer out of a stacked array: 3x the memory
     traffic), stacked elsewhere (the accelerator path: scan, one stacked cache, the kernel
     indexing the layer). "stacked" on CPU runs the GPU graph, for tests and lowering.
+    SPECJAX_CPU_LAYOUT=stacked makes "auto" pick it on CPU too: the layers compiled once under
+    scan rather than unrolled, which the test suite, compile-bound on tiny models, takes.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -92,5 +103,5 @@ def serving_layout(params: dict, layout: str = "auto", mixed: bool = False) -> d
                              "runs per-layer weights: pass layout='auto' or 'per_layer'")
         layout = "per_layer"
     if layout == "auto":
-        layout = "per_layer" if jax.default_backend() == "cpu" else "stacked"
+        layout = cpu_layout() if jax.default_backend() == "cpu" else "stacked"
     return with_layout(params, per_layer=layout == "per_layer")
