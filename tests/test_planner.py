@@ -511,20 +511,52 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
     assert out.stats["drafter_calls"] == 0
 
 
-def test_auto_margin_follows_the_timing_noise(tiny_pair, monkeypatch):
-    """Loop timings with a 5% relative standard error near the shape make "auto" refuse an 8% predicted gain
-    (margin 10%); the noise of a timed chain far from the shape does not count."""
+def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypatch):
+    """An 8% predicted gain under loop timings with a 5% relative standard error (margin 10%) is undecided: "auto"
+    times the loops again, RETIME_FACTOR times longer, once, and plans from those timings: quieter ones let the
+    gain through, as noisy ones refuse it. A gain past the margin is not timed again."""
     import specjax
 
     target, drafter, prompts = tiny_pair
-    # The pair's loop timings are cached by the tests above; give them this noise and plan a new token budget.
-    noise = {2: 0.01, 3: 0.05, 4: 0.3, 5: 0.3, 9: 0.4}
-    monkeypatch.setattr(RunTimes, "noise_at", lambda self, nodes: noise[min(noise, key=lambda n: abs(n - nodes))])
+
+    def with_noise(times, e):
+        return dataclasses.replace(times, noise=(e,) * len(times.spec_rounds))
+
+    def timed_once_with_noise(e):
+        """The pair's measurements (cached by the tests above), their loop timings given this noise, for this test."""
+        monkeypatch.setitem(auto._AUTO_PLANS, target, {
+            k: dataclasses.replace(m, times=with_noise(m.times, e), plans={}, retimed_from=None)
+            for k, m in auto._AUTO_PLANS[target].items()})
+
     gain = planner.Scored(planner.shape_of(chain(2), (0.5,)), 1.0, 1.08)
     monkeypatch.setattr(auto, "plan", lambda p, batches, *a, **k: [planner.Choice(batches[0], gain, None)])
+    for after, kind in ((0.05, "off"), (0.01, "chain")):
+        timed_once_with_noise(0.05)
+        calls = []
+
+        def run_times(target, drafter, prompts, chains, **kw):
+            calls.append(kw)
+            return with_noise(next(iter(auto._AUTO_PLANS[target].values())).times, after)
+
+        monkeypatch.setattr(auto, "run_times", run_times)
+        out = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, num_draft_tokens="auto")
+        plan = out.stats["plan"]
+        assert plan["kind"] == kind and plan["margin_before_retiming"] == pytest.approx(0.1)
+        assert plan["margin"] == pytest.approx(max(auto.AUTO_MIN_GAIN, 2 * after))
+        assert len(calls) == 1 and calls[0]["repeats"] == auto.RETIME_FACTOR * calibration.RUN_REPEATS
+        assert calls[0]["min_time_s"] == auto.RETIME_FACTOR * calibration.RUN_MIN_TIME_S
+        # Timed again once: another budget plans from the new timings without timing a third time.
+        again = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")
+        assert len(calls) == 1 and again.stats["plan"]["margin_before_retiming"] == pytest.approx(0.1)
+    # Past the margin: decided at once.
+    timed_once_with_noise(0.01)
     out = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, num_draft_tokens="auto")
-    assert out.stats["plan"]["kind"] == "off" and out.stats["plan"]["margin"] == pytest.approx(0.1)
-    monkeypatch.undo()
+    assert out.stats["plan"]["kind"] == "chain" and out.stats["plan"]["margin_before_retiming"] is None
+    assert len(calls) == 1
+
+
+def test_auto_margin_follows_the_timing_noise():
+    """The margin's noise is the timed chain's nearest the shape in nodes; a chain far from it does not count."""
     times = RunTimes(0.01, ((2, 1, 0.02), (3, 2, 0.02), (5, 4, 0.02), (9, 8, 0.02)), 0.0, (0.01, 0.05, 0.3, 0.4))
     assert [times.noise_at(n) for n in (1, 2, 3, 4, 7, 64)] == [0.01, 0.01, 0.05, 0.3, 0.4, 0.4]
     with pytest.raises(ValueError, match="one per chain"):

@@ -139,9 +139,12 @@ def pool_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "acceptance_length": sum(_emitted(r) for r in runs) / max(rounds, 1)}
 
 
+RUN_REPEATS, RUN_MIN_TIME_S, RUN_MAX_REPEATS = 7, 2.0, 30  # run_times' defaults: see its docstring
+
+
 def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: int = 64, sampling=None,
-              seed: int = 0, eos_token_id=None, repeats: int = 7, min_time_s: float = 2.0,
-              max_repeats: int = 30) -> RunTimes:
+              seed: int = 0, eos_token_id=None, repeats: int = RUN_REPEATS, min_time_s: float = RUN_MIN_TIME_S,
+              max_repeats: int = RUN_MAX_REPEATS) -> RunTimes:
     """Median seconds per plain step and per speculative round of each chain length, and the prefill.
 
     Each loop runs for max_new_tokens and for a quarter of that; the difference in time over the
