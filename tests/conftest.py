@@ -27,10 +27,10 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitter
 
 # Run dense targets in the stacked layout (their layers under one lax.scan, the accelerator graph) rather than CPU's
 # per-layer default: a layer compiles once instead of once per layer. Cold, one process, this machine:
-# tests/test_speculative.py 91 -> 70 s, tests/test_eagle3_tree.py 84 -> 61 s. The per-layer CPU path keeps its own
-# tests: test_speculative.py and test_dynamic_tree.py load per-layer targets, test_models.py and test_dflash.py run
-# both layouts, and hybrids and MoE targets with dense layers are per-layer always. Export
-# SPECJAX_CPU_LAYOUT=per_layer to run the whole suite per-layer.
+# tests/test_speculative.py 91 -> 70 s, tests/test_eagle3_tree.py 84 -> 61 s (SPECJAX_CPU_LAYOUT=<layout>
+# SPECJAX_COMPILE_CACHE=<new dir> python -m pytest tests/<file>). The per-layer CPU path keeps its own tests (listed
+# in docs/architecture.md, "Models as Flax modules"); hybrids and MoE targets with dense layers are per-layer always.
+# Export SPECJAX_CPU_LAYOUT=per_layer to run the whole suite per-layer.
 os.environ.setdefault("SPECJAX_CPU_LAYOUT", "stacked")
 
 import jax  # noqa: E402

@@ -512,15 +512,18 @@ def test_generate_auto_runs_plain_when_the_gain_is_within_the_margin(tiny_pair, 
 
 
 def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypatch):
-    """An 8% predicted gain under loop timings with a 5% relative standard error (margin 10%) is undecided: "auto"
-    times the loops again, RETIME_FACTOR times longer, once, and plans from those timings: quieter ones let the
-    gain through, as noisy ones refuse it. A gain past the margin is not timed again."""
+    """An 8% predicted gain for chain:2 under loop timings with a 5% relative standard error at its 3 nodes (margin
+    10%; the other timed chains' 40% does not count) is undecided: "auto" times the loops again, RETIME_FACTOR times
+    longer, once, and plans from those timings: quieter ones let the gain through, as noisy ones refuse it. A gain
+    past the margin is not timed again."""
     import specjax
 
     target, drafter, prompts = tiny_pair
+    first = next(iter(auto._AUTO_PLANS[target].values())).times  # as timed by the tests above
 
     def with_noise(times, e):
-        return dataclasses.replace(times, noise=(e,) * len(times.spec_rounds))
+        """The timed chain of 3 nodes (chain:2's) at relative error e, the others at 0.4."""
+        return dataclasses.replace(times, noise=tuple(e if n == 3 else 0.4 for n, _, _ in times.spec_rounds))
 
     def timed_once_with_noise(e):
         """The pair's measurements (cached by the tests above), their loop timings given this noise, for this test."""
@@ -535,8 +538,8 @@ def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypat
         calls = []
 
         def run_times(target, drafter, prompts, chains, **kw):
-            calls.append(kw)
-            return with_noise(next(iter(auto._AUTO_PLANS[target].values())).times, after)
+            calls.append({"chains": chains, **kw})
+            return with_noise(first, after)
 
         monkeypatch.setattr(auto, "run_times", run_times)
         out = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, num_draft_tokens="auto")
@@ -544,6 +547,7 @@ def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypat
         assert plan["kind"] == kind and plan["margin_before_retiming"] == pytest.approx(0.1)
         assert plan["margin"] == pytest.approx(max(auto.AUTO_MIN_GAIN, 2 * after))
         assert len(calls) == 1 and calls[0]["repeats"] == auto.RETIME_FACTOR * calibration.RUN_REPEATS
+        assert calls[0]["chains"] == [d for _, d, _ in first.spec_rounds]  # the chains timed the first time
         assert calls[0]["min_time_s"] == auto.RETIME_FACTOR * calibration.RUN_MIN_TIME_S
         # Timed again once: another budget plans from the new timings without timing a third time.
         again = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")

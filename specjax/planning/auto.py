@@ -22,7 +22,7 @@ from specjax.models.sharding import axis_size
 from specjax.multihost import agreed, agreed_json
 from specjax.planning.calibration import RUN_MAX_REPEATS, RUN_MIN_TIME_S, RUN_REPEATS, calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
-from specjax.planning.profile import cost_for_run, in_loop, time_propose
+from specjax.planning.profile import pass_costs, time_propose, with_loop_times
 
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
@@ -72,10 +72,11 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     Measuring: a short calibration run on these prompts for acceptance (a 4,2,1,1 tree, or a chain of 4
     when trees=False or the drafter proposes chains only; repeated over seeds until CALIBRATION_MIN_TOKENS
     tokens, for a stochastic drafter or sampling at small batches); chains of TIMED_CHAINS timed next to plain
-    decoding on the same prompts; pass costs from `profile.cost_for_run` (measured here, or
-    $SPECJAX_PROFILE), corrected to the rounds timed in the loop. Planning: `plan` at this batch bucket
-    for this call (its prefill, and its slowest row after max_new_tokens). Returns (None for "off", or the
-    TreeSpec) and the record that goes into out.stats["plan"].
+    decoding on the same prompts; pass costs from `profile.pass_costs` (measured here, or $SPECJAX_PROFILE),
+    corrected to the rounds timed in the loop (`profile.with_loop_times`). Planning: `plan` at this batch bucket
+    for this call (its prefill, and its slowest row after max_new_tokens); a gain inside the timings' noise times
+    the loops again (RETIME_FACTOR). Returns (None for "off", or the TreeSpec) and the record that goes into
+    out.stats["plan"].
     """
     global _AUTO_PLANS
     if _AUTO_PLANS is None:
@@ -90,8 +91,9 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     measured = cached.get(key)
     context = timing_context(ids, max_new_tokens)
     start = time.perf_counter()
+    run = {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
+           "eos_token_id": eos_token_id}  # the calibration and timing runs
     if measured is None or measured.params is not drafter.params:
-        run = run_kwargs(max_new_tokens, sampling, seed, eos_token_id)
         sibling = cached.get((drafter, batch, not trees, sampling))  # the same loops timed for the other kind
         timed = None if sibling is None or sibling.params is not drafter.params else sibling
         measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run,
@@ -103,8 +105,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     undecided = 1 + AUTO_MIN_GAIN <= best.speedup < 1 + margin and measured.retimed_from is None
     if agreed(np.asarray(undecided)):  # one decision across a multi-host job: the timing runs are collectives
-        measured = cached[key] = _retimed(measured, target, drafter, prompts, batch, max_chain, run_kwargs(
-            max_new_tokens, sampling, seed, eos_token_id), best, margin)
+        measured = cached[key] = _retimed(measured, target, drafter, prompts, batch, run, best, margin)
         choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     chosen = best.shape
     if best.speedup < 1 + margin:  # within the timings' error of plain decoding: run plain
@@ -129,12 +130,6 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     return spec, {**info, "plan_s": time.perf_counter() - start}
 
 
-def run_kwargs(max_new_tokens: int, sampling, seed, eos_token_id) -> dict[str, Any]:
-    """The generate arguments of the calibration and timing runs: this call's, at most CALIBRATION_TOKENS long."""
-    return {"max_new_tokens": min(CALIBRATION_TOKENS, max_new_tokens), "sampling": sampling, "seed": seed,
-            "eos_token_id": eos_token_id}
-
-
 def _best_shape(measured: AutoMeasurements, target, drafter, batch: int, trees: bool, max_chain: int, context: int,
                 call: Call):
     """(the planner's choice, its best shape scored for this call, the noise margin that shape must beat)."""
@@ -147,18 +142,18 @@ def _best_shape(measured: AutoMeasurements, target, drafter, batch: int, trees: 
     return choice, best, max(AUTO_MIN_GAIN, 2 * measured.times.noise_at(best.shape.nodes))
 
 
-def _retimed(measured: AutoMeasurements, target, drafter, prompts, batch: int, max_chain: int, run: dict[str, Any],
-             best: Scored, margin: float) -> AutoMeasurements:
+def _retimed(measured: AutoMeasurements, target, drafter, prompts, batch: int, run: dict[str, Any], best: Scored,
+             margin: float) -> AutoMeasurements:
     """`measured` with its loops timed again, RETIME_FACTOR times longer, and the cost model corrected to those
     timings (acceptance and the pass costs are kept)."""
-    chains = sorted({min(k, max_chain) for k in TIMED_CHAINS})
+    chains = [depth for _, depth, _ in measured.times.spec_rounds]  # the chains timed the first time
     with tqdm(total=1, desc=f"specjax auto (batch {batch}): {best.shape.label} gains {best.speedup - 1:.1%}, inside "
               f"the timings' noise ({margin:.1%}): timing again", leave=False, file=sys.stderr) as bar:
         times = run_times(target, drafter, prompts, chains, repeats=RETIME_FACTOR * RUN_REPEATS,
                           min_time_s=RETIME_FACTOR * RUN_MIN_TIME_S, max_repeats=RETIME_FACTOR * RUN_MAX_REPEATS,
                           **run)
         bar.update()
-    return dataclasses.replace(measured, cost=in_loop(measured.base, times, batch), prefill_s=times.prefill_s,
+    return dataclasses.replace(measured, cost=with_loop_times(measured.base, times, batch), prefill_s=times.prefill_s,
                                times=times, retimed_from=margin, plans={})
 
 
@@ -180,7 +175,7 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
             times = run_times(target, drafter, prompts, chains, **run)
             bar.update()
             bar.set_description(f"specjax auto (batch {batch}): timing verify passes and drafting")
-            base = cost_for_run(target, drafter, batch, context)
+            base = pass_costs(target, drafter, batch, context)
             bar.update()
         else:
             times, base = timed.times, timed.base
@@ -188,7 +183,7 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
                             {"calibration_shape": spec.num_nodes, "calibration_rounds": cal.rounds,
                              "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
-                            base, in_loop(base, times, batch), times.prefill_s, times,
+                            base, with_loop_times(base, times, batch), times.prefill_s, times,
                             None if timed is None else timed.retimed_from)
 
 

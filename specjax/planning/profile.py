@@ -496,24 +496,33 @@ AUTO_PROFILE_DEPTHS = (1, 4)
 
 
 def cost_for_run(target, drafter, batch: int, cache_len: int, times: RunTimes | None = None) -> CostModel:
-    """The cost model `generate(..., "auto")` plans one batch bucket with.
+    """The cost model `generate(..., "auto")` plans one batch bucket with: `pass_costs`, corrected to the rounds
+    timed inside the loop when `times` are given (`with_loop_times`)."""
+    return with_loop_times(pass_costs(target, drafter, batch, cache_len), times, batch)
 
-    Pass costs: from $SPECJAX_PROFILE (a profile JSON) when set; this device's roofline when it is
-    `roofline`; else measured here and now at this batch (verify passes of AUTO_PROFILE_NODES, and the
-    drafter's propose at AUTO_PROFILE_DEPTHS). With `times` (rounds timed inside the loop), plain steps cost
-    what they measured and every round pays a loop correction on top of its modelled pass and drafting.
-    """
+
+def pass_costs(target, drafter, batch: int, cache_len: int) -> CostModel:
+    """Verify passes and drafting, priced on their own: from $SPECJAX_PROFILE (a profile JSON) when set; this
+    device's roofline when it is `roofline`; else measured here and now at this batch (verify passes of
+    AUTO_PROFILE_NODES, and the drafter's propose at AUTO_PROFILE_DEPTHS)."""
     setting = os.environ.get("SPECJAX_PROFILE", "")
     if setting == "roofline":
         return local_roofline(target, drafter, cache_len, None)
     if setting:
-        base = cost_model(setting, target.cfg, drafter, cache_len, None, mesh=getattr(target, "mesh", None))
-    else:
-        longest = getattr(drafter, "max_draft_tokens", max(AUTO_PROFILE_DEPTHS))  # block drafters: one block
-        depths = tuple(sorted({min(d, longest) for d in AUTO_PROFILE_DEPTHS}))
-        prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), depths, repeats=3)
-        base = prof.cost(cache_len)
-    return base if times is None else in_loop(base, times, batch)
+        return cost_model(setting, target.cfg, drafter, cache_len, None, mesh=getattr(target, "mesh", None))
+    longest = getattr(drafter, "max_draft_tokens", max(AUTO_PROFILE_DEPTHS))  # block drafters: one block
+    depths = tuple(sorted({min(d, longest) for d in AUTO_PROFILE_DEPTHS}))
+    prof = profile(target, drafter, (batch,), AUTO_PROFILE_NODES, (cache_len,), depths, repeats=3)
+    return prof.cost(cache_len)
+
+
+def with_loop_times(base: CostModel, times: RunTimes | None, batch: int) -> CostModel:
+    """`base` corrected to the loop timings (`in_loop`: plain steps cost what they measured, every round pays the
+    loop's own cost on top of its modelled pass and drafting); unchanged without timings, or when `base` is the
+    roofline ($SPECJAX_PROFILE=roofline), which models the device rather than this loop."""
+    if times is None or os.environ.get("SPECJAX_PROFILE", "") == "roofline":
+        return base
+    return in_loop(base, times, batch)
 
 
 def in_loop(base: CostModel, times: RunTimes, batch: int) -> CostModel:
