@@ -25,7 +25,7 @@ import specjax
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.convert.dspark import CALIBRATION_FILE, load_dspark
 from specjax.decoding.drafter import PrefillContext, Settings
-from specjax.decoding.sampling import sampling_logprobs
+from specjax.decoding.sampling import sampling_probs
 from specjax.decoding.tree import chain
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DSparkDrafter, confidence, dspark
@@ -340,7 +340,7 @@ def test_sampled_drafts_carry_q_of_the_markov_adjusted_logits(bigram_pair):
     feats = tuple(jax.random.normal(jax.random.key(i), (b, t, 32)) for i in range(2))
     ctx = PrefillContext(jnp.ones((b, t), jnp.int32), jnp.asarray([6, 4], jnp.int32), jnp.asarray([3, 9]), feats)
     draft, _ = d.propose(d.params, d.init(d.params, ctx), jnp.asarray([3, 9]), jax.random.split(jax.random.key(2), b))
-    np.testing.assert_allclose(draft.q[:, 1:], np.exp(sampling_logprobs(draft.logits[:, 1:], sampling)), atol=1e-6)
+    np.testing.assert_allclose(draft.q[:, 1:], sampling_probs(draft.logits[:, 1:], sampling), atol=1e-6)
     chosen = np.take_along_axis(np.asarray(draft.q[:, 1:]), np.asarray(draft.tokens[:, 1:])[..., None], -1)
     assert np.all(chosen > 0)  # every draft was drawn from its q
     # The Markov step: draft k + 1's logits carry the bias of draft k (10 x the bigram row, dominating U).

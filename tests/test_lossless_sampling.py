@@ -18,7 +18,7 @@ import pytest
 
 import specjax
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding.sampling import sampling_logprobs
+from specjax.decoding.sampling import sampling_probs
 from specjax.drafters import DraftModelDrafter
 from specjax.models.model import forward, init_params, lm_head, merge
 from specjax.models.target import Target
@@ -37,12 +37,12 @@ def exact_distribution(model: Target, sampling: SamplingConfig) -> np.ndarray:
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(VOCAB), repeat=NEW - 1)], np.int32)
     cache = merge(model.cfg, model.params).init_cache(len(seqs), 8)  # a KV cache, or a hybrid's
     h, _, _ = forward(model.params, model.cfg, jnp.asarray(seqs), cache, attn_impl="xla")
-    logp = np.asarray(sampling_logprobs(lm_head(model.params, model.cfg, h), sampling))  # [36, T, V]
+    p = np.asarray(sampling_probs(lm_head(model.params, model.cfg, h), sampling))  # [36, T, V]
     t = len(PROMPT) - 1
     probs = np.zeros((VOCAB,) * NEW)
-    for row, (x1, x2) in zip(logp, itertools.product(range(VOCAB), repeat=2)):
+    for row, (x1, x2) in zip(p, itertools.product(range(VOCAB), repeat=2)):
         for x3 in range(VOCAB):
-            probs[x1, x2, x3] = np.exp(row[t, x1] + row[t + 1, x2] + row[t + 2, x3])
+            probs[x1, x2, x3] = row[t, x1] * row[t + 1, x2] * row[t + 2, x3]
     return probs
 
 

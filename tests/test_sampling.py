@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax.config import SamplingConfig
-from specjax.decoding.sampling import choose_token, sampling_logprobs
+from specjax.decoding.sampling import choose_token, sampling_probs
 
 
 def reference_probs(logits_V: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -62,11 +62,11 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_sampling_logprobs_match_numpy_reference(temperature, top_k, top_p):
+def test_sampling_probs_match_numpy_reference(temperature, top_k, top_p):
     rng = np.random.default_rng(0)
     logits_XV = (rng.standard_normal((16, 50)) * 3.0).astype(np.float32)
     assert min(_boundary_gap(row, temperature, top_k, top_p) for row in logits_XV) > 1e-4
-    got = np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits_XV), SamplingConfig(temperature, top_k, top_p))))
+    got = np.asarray(sampling_probs(jnp.asarray(logits_XV), SamplingConfig(temperature, top_k, top_p)))
     want = np.stack([reference_probs(row, temperature, top_k, top_p) for row in logits_XV])
     # Same support exactly, same probabilities up to float32 rounding.
     np.testing.assert_array_equal(got > 0, want > 0)
@@ -129,8 +129,7 @@ def test_top_p_ties_match_hugging_face_warpers(temperature, top_k):
     top_ps = [0.3, 0.5, 0.75, 0.9] + [_inside_tie_top_p(row) for row in logits_XV]
     for top_p in top_ps:
         assert min(_cut_gap(row, temperature, top_k, top_p) for row in logits_XV) > 1e-5
-        got = np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits_XV),
-                                                  SamplingConfig(temperature, top_k, top_p))))
+        got = np.asarray(sampling_probs(jnp.asarray(logits_XV), SamplingConfig(temperature, top_k, top_p)))
         want = _hf_probs(logits_XV, temperature, top_k, top_p)
         np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"top_p={top_p}")
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
@@ -149,7 +148,7 @@ def test_top_p_ties_large_vocab_match_hugging_face(vocab, monkeypatch):
     logits_XV = _tied_logits(1, 4, vocab)
     for top_p in [0.5, 0.9] + [_inside_tie_top_p(row) for row in logits_XV]:
         assert min(_cut_gap(row, 1.0, 0, top_p) for row in logits_XV) > 1e-5
-        got = np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits_XV), SamplingConfig(1.0, 0, top_p))))
+        got = np.asarray(sampling_probs(jnp.asarray(logits_XV), SamplingConfig(1.0, 0, top_p)))
         want = _hf_probs(logits_XV, 1.0, 0, top_p)
         for g, w, row in zip(got, want, logits_XV):
             np.testing.assert_array_equal(np.sort(row[g > 0]), np.sort(row[w > 0]))
@@ -165,27 +164,27 @@ def test_top_p_ties_large_vocab_match_hugging_face(vocab, monkeypatch):
 def test_top_p_splits_a_tie_group_like_hugging_face():
     """Four equal logits, top_p=0.6: HF drops the first tied id (cumulative 0.25 <= 0.4)."""
     logits = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0]])
-    probs = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(1.0, top_p=0.6))))
+    probs = np.asarray(sampling_probs(logits, SamplingConfig(1.0, top_p=0.6)))
     np.testing.assert_allclose(probs, [[0.0, 1 / 3, 1 / 3, 1 / 3], [0.0, 0.5, 0.5, 0.0]], rtol=1e-6)
 
 
 def test_top_k_keeps_ties_like_hugging_face():
     """Tokens tied with the k-th largest logit are all kept (HF compares against the k-th value)."""
     logits = jnp.asarray([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    probs = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(1.0, top_k=2))))[0]
+    probs = np.asarray(sampling_probs(logits, SamplingConfig(1.0, top_k=2)))[0]
     np.testing.assert_array_equal(probs > 0, [True, False, True, True, False])
 
 
 def test_top_p_keeps_at_least_the_most_likely_token():
     logits = jnp.asarray([[0.0, 5.0, 1.0, -2.0]])
-    probs = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(1.0, top_p=1e-6))))[0]
+    probs = np.asarray(sampling_probs(logits, SamplingConfig(1.0, top_p=1e-6)))[0]
     np.testing.assert_allclose(probs, [0.0, 1.0, 0.0, 0.0])
 
 
 def test_top_k_larger_than_vocab_is_off():
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8)), jnp.float32)
-    big = sampling_logprobs(logits, SamplingConfig(1.0, top_k=100))
-    off = sampling_logprobs(logits, SamplingConfig(1.0, top_k=0))
+    big = sampling_probs(logits, SamplingConfig(1.0, top_k=100))
+    off = sampling_probs(logits, SamplingConfig(1.0, top_k=0))
     np.testing.assert_allclose(np.asarray(big), np.asarray(off))
 
 
@@ -227,7 +226,7 @@ def test_choose_token_draws_from_sampling_distribution(temperature, top_k, top_p
 def test_top_p_without_a_sort_equals_the_sort(top_k):
     """The candidate path (the 64 largest logits; also tried with 256) keeps exactly what the full stable sort keeps,
     and rows it cannot decide (flat rows, top_p near 1, top_k > 64) go to the radix search; through
-    sampling_logprobs every row equals the sort."""
+    sampling_probs every row equals the sort."""
     from specjax.decoding import sampling
 
     rng = np.random.default_rng(3)
@@ -247,8 +246,8 @@ def test_top_p_without_a_sort_equals_the_sort(top_k):
                                           err_msg=f"top_p={top_p}, {m} candidates")
             fast_seen |= exact.any()
             slow_seen |= (~exact).any()
-        got = np.exp(np.asarray(sampling_logprobs(logits_RV, SamplingConfig(1.0, top_k, top_p)))) > 0
-        np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"top_p={top_p} through sampling_logprobs")
+        got = np.asarray(sampling_probs(logits_RV, SamplingConfig(1.0, top_k, top_p))) > 0
+        np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"top_p={top_p} through sampling_probs")
     # with top_k <= 64 every row fits among the fewest candidates
     assert fast_seen and (slow_seen or 0 < top_k <= sampling.CANDIDATES)
 
@@ -257,10 +256,10 @@ def test_sample_rows_never_draws_a_token_without_mass():
     """Inversion sampling skips zero-probability tokens, even at u -> 1 and with mass only at the ends."""
     from specjax.decoding.sampling import sample_rows
 
-    logp = jnp.log(jnp.asarray([[0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]))
+    p = jnp.asarray([[0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
     keys = jax.random.split(jax.random.key(0), 3)
     for i in range(200):
-        drawn = np.asarray(sample_rows(jax.vmap(lambda k: jax.random.fold_in(k, i))(keys), logp))
+        drawn = np.asarray(sample_rows(jax.vmap(lambda k: jax.random.fold_in(k, i))(keys), p))
         assert drawn[0] in (1, 3) and drawn[1] == 0 and drawn[2] == 4
 
 
@@ -293,3 +292,47 @@ def test_kth_by_radix_equals_the_sorted_kth():
         want = np.sort(logits, axis=-1)[:, ::-1][:, k - 1]
         got = np.asarray(sampling._kth_by_radix(jnp.asarray(logits), jnp.full((6,), k, jnp.int32)))
         np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+def test_sample_rows_draws_each_token_at_its_probability_across_blocks():
+    """The two-level inversion (blocks of DRAW_BLOCK tokens, then inside one): a 300-token row (five blocks, the last
+    padded) with empty blocks and empty tokens inside used blocks, 200k draws: no token without mass is drawn and
+    the counts fit the probabilities (chi-square, fixed keys)."""
+    from scipy import stats
+
+    from specjax.decoding.sampling import DRAW_BLOCK, sample_rows
+
+    vocab = 300
+    assert vocab % DRAW_BLOCK and vocab > 4 * DRAW_BLOCK
+    p = np.random.default_rng(6).random(vocab) ** 3
+    p[DRAW_BLOCK:2 * DRAW_BLOCK] = 0.0  # an empty block
+    p[::7] = 0.0
+    p[-1] = 0.05  # mass in the padded block's last real token
+    p /= p.sum()
+    n = 200_000
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: sample_rows(k[None], jnp.asarray(p, jnp.float32)[None])[0]))(
+        jax.random.split(jax.random.key(7), n)))
+    counts = np.bincount(draws, minlength=vocab)
+    assert counts[p == 0].sum() == 0
+    assert stats.chisquare(counts[p > 0], p[p > 0] * n).pvalue > 1e-3
+
+
+def test_too_flat_only_flags_rows_the_candidates_cannot_decide():
+    """The bound that sends flat top-p rows straight to the search: every row it flags is one the 64 candidates
+    leave undecided (it is an upper bound on their mass), and on flat rows it flags most of them."""
+    from specjax.decoding import sampling
+
+    rng = np.random.default_rng(8)
+    scale = np.array([0.3, 0.7, 1.0, 1.5, 2.0, 3.0, 6.0])[:, None].repeat(16, axis=0)
+    logits = jnp.asarray(rng.standard_normal((len(scale), 4096)) * scale, jnp.float32)
+    rows, m = logits.shape[0], sampling.CANDIDATES
+    for top_p, min_p in ((0.5, 0.0), (0.9, 0.0), (0.95, 0.0), (0.95, 0.05)):
+        p_R, min_p_R = jnp.full((rows,), top_p), jnp.full((rows,), min_p)
+        z = jnp.where(logits < sampling._min_p_cut(logits, min_p_R)[:, None], -jnp.inf, logits)
+        vals, idx = jax.lax.top_k(z, m)
+        _, exact = sampling._top_p_among_candidates(z, vals, idx, p_R)
+        flat = np.asarray(sampling._too_flat(logits, p_R, min_p_R, m))
+        exact = np.asarray(exact)
+        assert not (flat & exact).any(), f"top_p={top_p}, min_p={min_p}: flagged a row the candidates decide"
+        if top_p == 0.95 and min_p == 0.0:
+            assert (~exact).sum() > rows // 4 and flat[~exact].mean() > 0.5

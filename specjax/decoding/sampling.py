@@ -1,6 +1,6 @@
 """Turning logits into a token: greedy, or temperature / min-p / top-k / top-p sampling, each row its own.
 
-`sampling_logprobs` is the one definition of the distribution a sampler draws from;
+`sampling_probs` is the one definition of the distribution a sampler draws from;
 verification applies the same function to target and draft logits, which is what
 keeps speculative sampling exactly equal to plain sampling. Its settings are data
 (`RowSampling`, one value per row), so new values never compile the loop again and one
@@ -21,6 +21,8 @@ from specjax.config import SamplingConfig, row_column
 # Top-k and top-p are decided among this many largest logits (one lax.top_k) when they hold every row's top_p mass
 # and k-th largest; otherwise by a radix search over the whole vocabulary. Neither sorts it.
 CANDIDATES = 64
+# A draw's cumulative sum runs over blocks of this many tokens, then inside one block (sample_rows).
+DRAW_BLOCK = 64
 
 
 @jax.tree_util.register_dataclass
@@ -50,14 +52,16 @@ def as_rows(sampling: SamplingConfig | RowSampling, rows: int) -> RowSampling:
     return jax.tree.map(jnp.asarray, RowSampling.of(sampling.validate(), rows, rows))
 
 
-def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
-    """Log-probabilities after temperature, min-p, top-k and top-p (masked entries are -inf); a greedy row
-    (temperature 0) gets all its mass on its argmax (first index among ties).
+def sampling_probs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """Probabilities after temperature, min-p, top-k and top-p (masked entries 0); a greedy row (temperature 0)
+    gets all its mass on its argmax (first index among ties).
 
     Rows are the leading axis of logits_XV ([B, ...] with any axes between; row b uses sampling's entry b).
     Top-k keeps every token tied with the k-th logit (HF's TopKLogitsWarper); top-p follows TopPLogitsWarper
     position by position, so a tie group at the cut is split, lower token ids dropped first
     (torch.sort(stable=True) order); min-p keeps p >= min_p * max p (vLLM's MinPLogitsProcessor).
+    Probabilities rather than log-probabilities, because every caller draws from them and keeps them as a
+    draft's q: one exponential over the vocabulary instead of three.
     """
     lead, vocab = logits_XV.shape[:-1], logits_XV.shape[-1]
     rows = as_rows(sampling, lead[0])
@@ -68,14 +72,14 @@ def sampling_logprobs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampli
     z_RV = raw_RV / jnp.where(greedy_R, 1.0, temp_R)[:, None]
     filtered = jnp.any(~greedy_R & ((k_R > 0) & (k_R < vocab) | (p_R < 1.0) | (min_p_R > 0.0)))
     z_RV = lax.cond(filtered, lambda: _filter(z_RV, k_R, p_R, min_p_R), lambda: z_RV)
-    logp_RV = jax.nn.log_softmax(z_RV, axis=-1)
+    p_RV = jax.nn.softmax(z_RV, axis=-1)
 
     def greedy_rows_one_hot():
-        one_hot_RV = jnp.where(jnp.arange(vocab) == jnp.argmax(raw_RV, axis=-1)[:, None], 0.0, -jnp.inf)
-        return jnp.where(greedy_R[:, None], one_hot_RV, logp_RV)
+        one_hot_RV = (jnp.arange(vocab) == jnp.argmax(raw_RV, axis=-1)[:, None]).astype(jnp.float32)
+        return jnp.where(greedy_R[:, None], one_hot_RV, p_RV)
 
-    logp_RV = lax.cond(jnp.any(greedy_R), greedy_rows_one_hot, lambda: logp_RV)
-    return logp_RV.reshape(logits_XV.shape)
+    p_RV = lax.cond(jnp.any(greedy_R), greedy_rows_one_hot, lambda: p_RV)
+    return p_RV.reshape(logits_XV.shape)
 
 
 def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array) -> jax.Array:
@@ -85,10 +89,42 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
     the whole vocabulary; each way gives the same decisions (up to the rounding of cumulative sums). lax.top_k's
     cost grows with its k (on this CPU, [40, 4096]: 0.82 ms for 64, 2.6 ms for 256, the radix search's cut 1.5 ms;
     `python scripts/bench_sampling.py`), so the candidates are few: top_k <= 64 and peaked rows take them, flat
-    rows under top_p the search."""
-    m = min(z_RV.shape[-1], CANDIDATES)
-    out_RV, exact_R = _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m)
-    return lax.cond(jnp.all(exact_R), lambda: out_RV, lambda: _filter_by_radix(z_RV, k_R, p_R, min_p_R))
+    rows under top_p the search. Rows the candidates surely cannot decide (top_k > 64, and top-p rows a cheap
+    bound shows too flat) go to the search without the lax.top_k."""
+    vocab = z_RV.shape[-1]
+    m = min(vocab, CANDIDATES)
+    top_k_on_R = (k_R > 0) & (k_R < vocab)
+    top_p_alone_R = (p_R < 1.0) & ~top_k_on_R
+    by_radix = lambda: _filter_by_radix(z_RV, k_R, p_R, min_p_R)  # noqa: E731
+
+    def among_candidates():
+        out_RV, exact_R = _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m)
+        return lax.cond(jnp.all(exact_R), lambda: out_RV, by_radix)
+
+    too_flat_R = lax.cond(jnp.any(top_p_alone_R), lambda: top_p_alone_R & _too_flat(z_RV, p_R, min_p_R, m),
+                          lambda: jnp.zeros(k_R.shape, jnp.bool_))
+    return lax.cond(jnp.any(top_k_on_R & (k_R > m) | too_flat_R), by_radix, among_candidates)
+
+
+# Logit distances below a row's largest at which _too_flat bounds the mass of the m largest.
+FLATNESS_GAPS = (1.0, 2.0, 4.0)
+
+
+def _too_flat(z_RV: jax.Array, p_R: jax.Array, min_p_R: jax.Array, m: int) -> jax.Array:
+    """bool [R]: rows whose m largest logits surely hold less than top_p of the mass min-p leaves, found without
+    lax.top_k (the candidates could not decide them; most rows of a flat model, the embedded target's need ~500
+    tokens for 95%). For any t, the m largest hold at most the mass at or above t plus, when fewer than m tokens
+    reach t, p(t) for each of the rest; the least of that over t = max - FLATNESS_GAPS. A bound, so a row it does
+    not flag may still fall short of the candidates and be searched after them: it decides speed only."""
+    z_RV = jnp.where(z_RV < _min_p_cut(z_RV, min_p_R)[:, None], -jnp.inf, z_RV)
+    max_R1 = jnp.max(z_RV, axis=-1, keepdims=True)
+    e_RV = jnp.exp(z_RV - max_R1)  # masses relative to the largest token's
+    bounds = []
+    for gap in FLATNESS_GAPS:
+        reached_RV = z_RV >= max_R1 - gap
+        missing_R = jnp.maximum(m - jnp.sum(reached_RV, axis=-1), 0)
+        bounds.append(jnp.sum(jnp.where(reached_RV, e_RV, 0.0), axis=-1) + missing_R * np.exp(-gap))
+    return jnp.min(jnp.stack(bounds), axis=0) < p_R * jnp.sum(e_RV, axis=-1)
 
 
 def _min_p_cut(z_RV: jax.Array, min_p_R: jax.Array) -> jax.Array:
@@ -204,8 +240,10 @@ def _top_p_by_radix(logits_RV: jax.Array, top_p_R: jax.Array) -> jax.Array:
     tied_RV = key_RV == cut_R[:, None]
     p_tied_R1 = jnp.max(jnp.where(tied_RV, p_RV, 0.0), axis=-1, keepdims=True)
     # within the cut's tie group the warper's ascending stable order runs by token id: a tied token's ascending
-    # cumulative mass is the mass below plus p for itself and each tied token of a lower id
-    through_RV = jnp.cumsum(tied_RV, axis=-1)
+    # cumulative mass is the mass below plus p for itself and each tied token of a lower id. A cut on a single token
+    # (the usual case) skips that count's cumulative sum, which costs more than the search at [40, 4096].
+    through_RV = lax.cond(jnp.any(jnp.sum(tied_RV, axis=-1) > 1), lambda: jnp.cumsum(tied_RV, axis=-1),
+                          lambda: tied_RV.astype(jnp.int32))
     return (key_RV > cut_R[:, None]) | (tied_RV & (below_R1 + through_RV * p_tied_R1 > 1.0 - top_p_R1))
 
 
@@ -255,19 +293,35 @@ def split_rows(keys_B: jax.Array, num: int) -> jax.Array:
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(keys_B), 1, 0)
 
 
-def sample_rows(keys_B: jax.Array, logp_BV: jax.Array) -> jax.Array:
-    """One draw per row from log-probabilities [B, V], row b with its own key keys_B[b].
+def sample_rows(keys_B: jax.Array, p_BV: jax.Array) -> jax.Array:
+    """One draw per row from probabilities [B, V] (any non-negative weights), row b with its own key keys_B[b].
 
     By inversion: one uniform per row against the cumulative distribution, instead of a Gumbel noise per token
-    (jax.random.categorical), which costs V random numbers a row and dominated sampled decoding on the CPU. A
-    token of probability 0 is never drawn (its cumulative mass equals its predecessor's)."""
-    p_BV = jnp.exp(logp_BV.astype(jnp.float32))
-    cdf_BV = jnp.cumsum(p_BV, axis=-1)
-    u_B1 = uniform_rows(keys_B, (keys_B.shape[0],))[:, None] * cdf_BV[:, -1:]
-    drawn_B = jnp.sum(cdf_BV <= u_B1, axis=-1)
-    # u * total can round up to the total itself: fall back to the last token with mass.
-    last_B = jnp.max(jnp.where(p_BV > 0, jnp.arange(p_BV.shape[-1]), 0), axis=-1)
-    return jnp.minimum(drawn_B, last_B).astype(jnp.int32)
+    (jax.random.categorical), which costs V random numbers a row and dominated sampled decoding on the CPU. The
+    cumulative sum is taken in two levels, over blocks of DRAW_BLOCK tokens and then inside the block drawn:
+    a cumulative sum along the whole vocabulary is a windowed reduction that cost 0.24 ms at [8, 4096] on this CPU,
+    more than the rest of a draw. A token of probability 0 is never drawn (its cumulative mass equals its
+    predecessor's)."""
+    p_BV = p_BV.astype(jnp.float32)
+    rows, vocab = p_BV.shape
+    blocks = -(-vocab // DRAW_BLOCK)
+    p_BKL = jnp.pad(p_BV, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(rows, blocks, DRAW_BLOCK)
+    mass_BK = jnp.sum(p_BKL, axis=-1)
+    cdf_BK = jnp.cumsum(mass_BK, axis=-1)
+    u_B = uniform_rows(keys_B, (rows,)) * cdf_BK[:, -1]
+    block_B = _first_above(cdf_BK, u_B, mass_BK)
+    before_B = jnp.take_along_axis(cdf_BK, jnp.maximum(block_B - 1, 0)[:, None], axis=-1)[:, 0]
+    inside_BL = jnp.take_along_axis(p_BKL, block_B[:, None, None], axis=1)[:, 0]
+    offset_B = _first_above(jnp.cumsum(inside_BL, axis=-1), u_B - jnp.where(block_B > 0, before_B, 0.0), inside_BL)
+    return (block_B * DRAW_BLOCK + offset_B).astype(jnp.int32)
+
+
+def _first_above(cdf_BX: jax.Array, u_B: jax.Array, mass_BX: jax.Array) -> jax.Array:
+    """Per row, the first index whose cumulative mass exceeds u, or the last index with mass when rounding left
+    u at or above the total (so an index without mass is never returned)."""
+    count_B = jnp.sum(cdf_BX <= u_B[:, None], axis=-1)
+    last_B = jnp.max(jnp.where(mass_BX > 0, jnp.arange(mass_BX.shape[-1]), 0), axis=-1)
+    return jnp.minimum(count_B, last_B).astype(jnp.int32)
 
 
 def uniform_rows(keys_B: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -277,7 +331,7 @@ def uniform_rows(keys_B: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def choose_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
     """One token per row: argmax when `sampling` is a greedy SamplingConfig (the compiled greedy path), else a draw
-    from `sampling_logprobs` with the row's own key (a greedy row among sampled ones draws its argmax)."""
+    from `sampling_probs` with the row's own key (a greedy row among sampled ones draws its argmax)."""
     if isinstance(sampling, SamplingConfig) and sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return sample_rows(keys_B, sampling_logprobs(logits_BV, sampling))
+    return sample_rows(keys_B, sampling_probs(logits_BV, sampling))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import SamplingConfig
-from specjax.decoding.sampling import RowSampling, sample_rows, sampling_logprobs, split_rows, uniform_rows
+from specjax.decoding.sampling import RowSampling, sample_rows, sampling_probs, split_rows, uniform_rows
 
 
 @jax.tree_util.register_dataclass
@@ -82,7 +82,7 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
     keys_B: one PRNG key per row, so a row's verdict depends on its own key only.
     """
     b, n, _ = target_logits_BNV.shape
-    p_BNV = jnp.exp(sampling_logprobs(target_logits_BNV, sampling))
+    p_BNV = sampling_probs(target_logits_BNV, sampling)
     u_keys_B, bonus_keys_B = split_rows(keys_B, 2)
     u_BN = uniform_rows(u_keys_B, (b, n))
     rows = jnp.arange(b)
@@ -108,7 +108,7 @@ def verify_sampled(draft: Draft, mask_BNN: jax.Array, target_logits_BNV: jax.Arr
         return (jnp.where(accept_B, j, cur_B), new_p_BV), None
 
     (last_B, p_BV), _ = lax.scan(step, (jnp.zeros((b,), jnp.int32), p_BNV[:, 0]), jnp.arange(1, n))
-    bonus_B = sample_rows(bonus_keys_B, jnp.log(p_BV))
+    bonus_B = sample_rows(bonus_keys_B, p_BV)
     path_BN, length_B = path_to_node(mask_BNN, last_B)
     return Verdict(path_BN, length_B, bonus_B)
 

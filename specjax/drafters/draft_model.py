@@ -23,7 +23,7 @@ from jax import lax
 from specjax.config import ModelConfig
 from specjax.decoding.drafter import PrefillContext, Settings, chain_nodes, drafting_values
 from specjax.decoding.dynamic_tree import build_tree
-from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, ancestor_mask, child_ranks, depths, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, commit
@@ -84,8 +84,8 @@ class DraftModelDrafter:
         """Next draft token and, when sampling, the distribution it was drawn from (row b with keys_B[b])."""
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
-        logp_BV = sampling_logprobs(logits_BV, sampling)
-        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV)
+        q_BV = sampling_probs(logits_BV, sampling)
+        return sample_rows(keys_B, q_BV), q_BV
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
         model = merge(self.cfg, params)

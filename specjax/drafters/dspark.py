@@ -61,7 +61,7 @@ from flax import nnx
 from jax import lax
 
 from specjax.decoding.drafter import PrefillContext, Settings, drafting_values
-from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables, backbone, part, require_block_chain, tables
@@ -219,9 +219,9 @@ def markov_chain(markov: MarkovHead, settings: Settings, u_BKV: jax.Array, ancho
         if greedy:
             tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
             return tok_B, (tok_B, logits_BV, None)
-        logp_BV = sampling_logprobs(logits_BV, drafting_values(settings, sampling))
-        tok_B = sample_rows(key_B, logp_BV)
-        return tok_B, (tok_B, logits_BV, jnp.exp(logp_BV))
+        q_BV = sampling_probs(logits_BV, drafting_values(settings, sampling))
+        tok_B = sample_rows(key_B, q_BV)
+        return tok_B, (tok_B, logits_BV, q_BV)
 
     u_KBV = jnp.moveaxis(u_BKV, 1, 0)
     xs = (u_KBV, keys_KB if not greedy else jnp.zeros(u_KBV.shape[:2], jnp.int32))  # greedy: no keys needed

@@ -48,7 +48,7 @@ from jax import lax
 from specjax.config import ModelConfig, RopeConfig
 from specjax.decoding.drafter import PrefillContext, Settings, accepted_tokens, chain_nodes, drafting_values
 from specjax.decoding.dynamic_tree import build_tree
-from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
 from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache
@@ -377,8 +377,8 @@ class Eagle3Drafter:
         record = head.target_logits(logits_BV) if self.settings.record_logits else None
         if self.settings.sampling.greedy:
             return head.to_target_ids(jnp.argmax(logits_BV, axis=-1)), None, record
-        logp_BV = sampling_logprobs(head.target_logits(logits_BV), sampling)
-        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), record
+        q_BV = sampling_probs(head.target_logits(logits_BV), sampling)
+        return sample_rows(keys_B, q_BV), q_BV, record
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
         head, tree = head_of(self.cfg, params), self.settings.tree

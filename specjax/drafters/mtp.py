@@ -76,7 +76,7 @@ from specjax.decoding.drafter import (
     drafting_values,
     require_chain,
 )
-from specjax.decoding.sampling import sample_rows, sampling_logprobs, split_rows
+from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache
@@ -334,8 +334,8 @@ class MtpDrafter:
         logits_BV = head.logits(j, out_BD)
         if self.settings.sampling.greedy:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None, logits_BV
-        logp_BV = sampling_logprobs(logits_BV, sampling)
-        return sample_rows(keys_B, logp_BV), jnp.exp(logp_BV), logits_BV
+        q_BV = sampling_probs(logits_BV, sampling)
+        return sample_rows(keys_B, q_BV), q_BV, logits_BV
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
         sampling = drafting_values(self.settings, sampling)
