@@ -10,7 +10,7 @@ rounds (round i runs every configuration once, in turn); the table gives each on
 (`out.stats["decode_s"]`, compile excluded), its spread, and the ratio to greedy in the same loop and batch,
 then the same per loop iteration (a speculative round; a sampled draft is accepted less often than a greedy
 one, so a sampled call runs more rounds: the per-iteration ratio is what sampling itself costs).
-Also timed alone: `sampling_logprobs` + one draw on [batch, vocab] logits (the part of a step sampling adds), and
+Also timed alone: `sampling_probs` + one draw on [batch, vocab] logits (the part of a step sampling adds), and
 the filter's parts on [40, vocab]: lax.top_k at the candidate count and at 256, and the radix search's cut.
 """
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import specjax
 from specjax.bench.ar import machine_info
 from specjax.config import SamplingConfig
-from specjax.decoding.sampling import choose_token, row_keys
+from specjax.decoding.sampling import as_rows, choose_token, row_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"greedy": {}, "top_k=50": {"temperature": 1.0, "top_k": 50},
@@ -43,17 +43,23 @@ def held_out(count: int) -> list[str]:
 
 
 def time_sampler(batch: int, vocab: int, repeats: int) -> dict[str, float]:
-    """Median milliseconds of one jitted choose_token on random [batch, vocab] logits, per setting."""
+    """Median milliseconds of one jitted choose_token on random [batch, vocab] logits, per setting. The values go in
+    as data (RowSampling arguments), as the loops pass them: folded as constants, XLA:CPU rewrites lax.top_k at
+    batch 1 into a sort of the vocabulary, which the loops never run."""
     logits = jax.random.normal(jax.random.key(0), (batch, vocab)) * 3.0
     keys = row_keys(jnp.arange(batch, dtype=jnp.uint32), jnp.zeros(batch, jnp.int32))
     out = {}
     for name, kw in SETTINGS.items():
-        fn = jax.jit(lambda k, x, s=SamplingConfig(**kw): choose_token(k, x, s))
-        jax.block_until_ready(fn(keys, logits))
+        cfg = SamplingConfig(**kw)
+        if cfg.greedy:  # the compiled greedy path: an argmax
+            fn, args = jax.jit(lambda k, x, c=cfg: choose_token(k, x, c)), (keys, logits)
+        else:
+            fn, args = jax.jit(choose_token), (keys, logits, as_rows(cfg, batch))
+        jax.block_until_ready(fn(*args))
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            jax.block_until_ready(fn(keys, logits))
+            jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
         out[name] = 1e3 * statistics.median(times)
     return out

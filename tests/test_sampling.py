@@ -295,17 +295,17 @@ def test_kth_by_radix_equals_the_sorted_kth():
 
 
 def test_sample_rows_draws_each_token_at_its_probability_across_blocks():
-    """The two-level inversion (blocks of DRAW_BLOCK tokens, then inside one): a 300-token row (five blocks, the last
+    """The two-level inversion (blocks of CUMULATIVE_BLOCK tokens, then inside one): a 300-token row (five blocks, the last
     padded) with empty blocks and empty tokens inside used blocks, 200k draws: no token without mass is drawn and
     the counts fit the probabilities (chi-square, fixed keys)."""
     from scipy import stats
 
-    from specjax.decoding.sampling import DRAW_BLOCK, sample_rows
+    from specjax.decoding.sampling import CUMULATIVE_BLOCK, sample_rows
 
     vocab = 300
-    assert vocab % DRAW_BLOCK and vocab > 4 * DRAW_BLOCK
+    assert vocab % CUMULATIVE_BLOCK and vocab > 4 * CUMULATIVE_BLOCK
     p = np.random.default_rng(6).random(vocab) ** 3
-    p[DRAW_BLOCK:2 * DRAW_BLOCK] = 0.0  # an empty block
+    p[CUMULATIVE_BLOCK:2 * CUMULATIVE_BLOCK] = 0.0  # an empty block
     p[::7] = 0.0
     p[-1] = 0.05  # mass in the padded block's last real token
     p /= p.sum()
