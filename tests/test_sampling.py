@@ -331,7 +331,8 @@ def test_too_flat_only_flags_rows_the_candidates_cannot_decide():
         z = jnp.where(logits < sampling._min_p_cut(logits, min_p_R)[:, None], -jnp.inf, logits)
         vals, idx = jax.lax.top_k(z, m)
         _, exact = sampling._top_p_among_candidates(z, vals, idx, p_R)
-        flat = np.asarray(sampling._too_flat(logits, p_R, min_p_R, m))
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        flat = np.asarray(sampling._too_flat(logits, e, p_R, min_p_R, m))
         exact = np.asarray(exact)
         assert not (flat & exact).any(), f"top_p={top_p}, min_p={min_p}: flagged a row the candidates decide"
         if top_p == 0.95 and min_p == 0.0:

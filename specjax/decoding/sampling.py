@@ -61,7 +61,7 @@ def sampling_probs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling)
     position by position, so a tie group at the cut is split, lower token ids dropped first
     (torch.sort(stable=True) order); min-p keeps p >= min_p * max p (vLLM's MinPLogitsProcessor).
     Probabilities rather than log-probabilities, because every caller draws from them and keeps them as a
-    draft's q: one exponential over the vocabulary instead of three.
+    draft's q; the filters share one exponential of the row (e = exp(z - max)) with the result.
     """
     lead, vocab = logits_XV.shape[:-1], logits_XV.shape[-1]
     rows = as_rows(sampling, lead[0])
@@ -71,8 +71,13 @@ def sampling_probs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling)
     greedy_R = temp_R == 0.0
     z_RV = raw_RV / jnp.where(greedy_R, 1.0, temp_R)[:, None]
     filtered = jnp.any(~greedy_R & ((k_R > 0) & (k_R < vocab) | (p_R < 1.0) | (min_p_R > 0.0)))
-    z_RV = lax.cond(filtered, lambda: _filter(z_RV, k_R, p_R, min_p_R), lambda: z_RV)
-    p_RV = jax.nn.softmax(z_RV, axis=-1)
+
+    def filtered_probs():
+        e_RV = jnp.exp(z_RV - jnp.max(z_RV, axis=-1, keepdims=True))  # the one exponential; the largest is kept
+        kept_RV = jnp.where(_kept(z_RV, e_RV, k_R, p_R, min_p_R), e_RV, 0.0)
+        return kept_RV / jnp.sum(kept_RV, axis=-1, keepdims=True)
+
+    p_RV = lax.cond(filtered, filtered_probs, lambda: jax.nn.softmax(z_RV, axis=-1))
 
     def greedy_rows_one_hot():
         one_hot_RV = (jnp.arange(vocab) == jnp.argmax(raw_RV, axis=-1)[:, None]).astype(jnp.float32)
@@ -82,12 +87,13 @@ def sampling_probs(logits_XV: jax.Array, sampling: SamplingConfig | RowSampling)
     return p_RV.reshape(logits_XV.shape)
 
 
-def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array) -> jax.Array:
-    """Temperature-scaled logits with min-p, top-k and top-p applied per row (dropped tokens -inf).
+def _kept(z_RV: jax.Array, e_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array) -> jax.Array:
+    """bool [R, V]: the tokens min-p, top-k and top-p keep, per row, from the temperature-scaled logits z and
+    e = exp(z - max z) (their masses, unnormalised).
 
     Decided among the CANDIDATES largest logits when they decide every row exactly, else by a radix search over
     the whole vocabulary; each way gives the same decisions (up to the rounding of cumulative sums). lax.top_k's
-    cost grows with its k (on this CPU, [40, 4096]: 0.82 ms for 64, 2.6 ms for 256, the radix search's cut 1.5 ms;
+    cost grows with its k (on this CPU, [40, 4096]: 0.82 ms for 64, 2.6 ms for 256, the radix search's cut 1.3 ms;
     `python scripts/bench_sampling.py`), so the candidates are few: top_k <= 64 and peaked rows take them, flat
     rows under top_p the search. Rows the candidates surely cannot decide (top_k > 64, and top-p rows a cheap
     bound shows too flat) go to the search without the lax.top_k."""
@@ -95,13 +101,13 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
     m = min(vocab, CANDIDATES)
     top_k_on_R = (k_R > 0) & (k_R < vocab)
     top_p_alone_R = (p_R < 1.0) & ~top_k_on_R
-    by_radix = lambda: _filter_by_radix(z_RV, k_R, p_R, min_p_R)  # noqa: E731
+    by_radix = lambda: _kept_by_radix(z_RV, e_RV, k_R, p_R, min_p_R)  # noqa: E731
 
     def among_candidates():
-        out_RV, exact_R = _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m)
-        return lax.cond(jnp.all(exact_R), lambda: out_RV, by_radix)
+        kept_RV, exact_R = _kept_among_candidates(z_RV, e_RV, k_R, p_R, min_p_R, m)
+        return lax.cond(jnp.all(exact_R), lambda: kept_RV, by_radix)
 
-    too_flat_R = lax.cond(jnp.any(top_p_alone_R), lambda: top_p_alone_R & _too_flat(z_RV, p_R, min_p_R, m),
+    too_flat_R = lax.cond(jnp.any(top_p_alone_R), lambda: top_p_alone_R & _too_flat(z_RV, e_RV, p_R, min_p_R, m),
                           lambda: jnp.zeros(k_R.shape, jnp.bool_))
     return lax.cond(jnp.any(top_k_on_R & (k_R > m) | too_flat_R), by_radix, among_candidates)
 
@@ -110,15 +116,15 @@ def _filter(z_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_p_R: jax.Array)
 FLATNESS_GAPS = (1.0, 2.0, 4.0)
 
 
-def _too_flat(z_RV: jax.Array, p_R: jax.Array, min_p_R: jax.Array, m: int) -> jax.Array:
+def _too_flat(z_RV: jax.Array, e_RV: jax.Array, p_R: jax.Array, min_p_R: jax.Array, m: int) -> jax.Array:
     """bool [R]: rows whose m largest logits surely hold less than top_p of the mass min-p leaves, found without
     lax.top_k (the candidates could not decide them; most rows of a flat model, the embedded target's need ~500
     tokens for 95%). For any t, the m largest hold at most the mass at or above t plus, when fewer than m tokens
     reach t, p(t) for each of the rest; the least of that over t = max - FLATNESS_GAPS. A bound, so a row it does
-    not flag may still fall short of the candidates and be searched after them: it decides speed only."""
-    z_RV = jnp.where(z_RV < _min_p_cut(z_RV, min_p_R)[:, None], -jnp.inf, z_RV)
+    not flag may still fall short of the candidates and be searched after them: it decides speed only.
+    e_RV = exp(z - max z)."""
     max_R1 = jnp.max(z_RV, axis=-1, keepdims=True)
-    e_RV = jnp.exp(z_RV - max_R1)  # masses relative to the largest token's
+    e_RV = jnp.where(z_RV < _min_p_cut(z_RV, min_p_R)[:, None], 0.0, e_RV)
     bounds = []
     for gap in FLATNESS_GAPS:
         reached_RV = z_RV >= max_R1 - gap
@@ -134,8 +140,8 @@ def _min_p_cut(z_RV: jax.Array, min_p_R: jax.Array) -> jax.Array:
     return jnp.where(min_p_R > 0, jnp.max(z_RV, axis=-1) + jnp.log(jnp.maximum(min_p_R, 1e-30)), -jnp.inf)
 
 
-def _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m: int) -> tuple[jax.Array, jax.Array]:
-    """_filter decided among the m largest logits, and bool [R]: whether that decided the row exactly (its k-th
+def _kept_among_candidates(z_RV, e_RV, k_R, p_R, min_p_R, m: int) -> tuple[jax.Array, jax.Array]:
+    """_kept decided among the m largest logits, and bool [R]: whether that decided the row exactly (its k-th
     largest among them, its top_p mass held by them)."""
     vocab = z_RV.shape[-1]
     vals_RM, idx_RM = lax.top_k(z_RV, m)  # descending; ties in ascending id
@@ -143,31 +149,40 @@ def _filter_among_candidates(z_RV, k_R, p_R, min_p_R, m: int) -> tuple[jax.Array
     # The k-th largest read from the candidates with a gather (XLA:CPU turns a slice of lax.top_k's values into
     # a full sort of the vocabulary).
     kth_R = jnp.take_along_axis(vals_RM, jnp.clip(k_R - 1, 0, m - 1)[:, None], axis=-1)[:, 0]
-    cut_R = jnp.maximum(_min_p_cut(z_RV, min_p_R), jnp.where(top_k_on_R, kth_R, -jnp.inf))
-    z_RV = jnp.where(z_RV < cut_R[:, None], -jnp.inf, z_RV)
-    vals_RM = jnp.where(vals_RM < cut_R[:, None], -jnp.inf, vals_RM)
+    cut_R1 = jnp.maximum(_min_p_cut(z_RV, min_p_R), jnp.where(top_k_on_R, kth_R, -jnp.inf))[:, None]
+    kept_RV = z_RV >= cut_R1
     top_p_on_R = p_R < 1.0
     exact_R = ~(top_k_on_R & (k_R > m))
 
     def top_p():
-        keep_RV, decided_R = _top_p_among_candidates(z_RV, vals_RM, idx_RM, p_R)
-        return jnp.where(keep_RV | ~top_p_on_R[:, None], z_RV, -jnp.inf), exact_R & (decided_R | ~top_p_on_R)
+        p_RV = _normalised(jnp.where(kept_RV, e_RV, 0.0))
+        vals_cut_RM = jnp.where(vals_RM < cut_R1, -jnp.inf, vals_RM)
+        keep_RV, decided_R = _top_p_among_candidates(z_RV, vals_cut_RM, idx_RM, p_R, p_RV)
+        return kept_RV & (keep_RV | ~top_p_on_R[:, None]), exact_R & (decided_R | ~top_p_on_R)
 
-    return lax.cond(jnp.any(top_p_on_R), top_p, lambda: (z_RV, exact_R))
+    return lax.cond(jnp.any(top_p_on_R), top_p, lambda: (kept_RV, exact_R))
 
 
-def _filter_by_radix(z_RV, k_R, p_R, min_p_R) -> jax.Array:
-    """_filter for any rows, without candidates: the k-th largest and the top-p cut by radix search."""
+def _kept_by_radix(z_RV, e_RV, k_R, p_R, min_p_R) -> jax.Array:
+    """_kept for any rows, without candidates: the k-th largest and the top-p cut by radix search."""
     vocab = z_RV.shape[-1]
     top_k_on_R = (k_R > 0) & (k_R < vocab)
     kth_R = lax.cond(jnp.any(top_k_on_R), lambda: _kth_by_radix(z_RV, jnp.maximum(k_R, 1)),
                      lambda: jnp.full(k_R.shape, -jnp.inf))
     cut_R = jnp.maximum(_min_p_cut(z_RV, min_p_R), jnp.where(top_k_on_R, kth_R, -jnp.inf))
-    z_RV = jnp.where(z_RV < cut_R[:, None], -jnp.inf, z_RV)
+    kept_RV = z_RV >= cut_R[:, None]
     top_p_on_R = p_R < 1.0
-    return lax.cond(jnp.any(top_p_on_R),
-                    lambda: jnp.where(_top_p_by_radix(z_RV, p_R) | ~top_p_on_R[:, None], z_RV, -jnp.inf),
-                    lambda: z_RV)
+
+    def top_p():
+        z_cut_RV = jnp.where(kept_RV, z_RV, -jnp.inf)
+        p_RV = _normalised(jnp.where(kept_RV, e_RV, 0.0))
+        return kept_RV & (_top_p_by_radix(z_cut_RV, p_R, p_RV) | ~top_p_on_R[:, None])
+
+    return lax.cond(jnp.any(top_p_on_R), top_p, lambda: kept_RV)
+
+
+def _normalised(w_RV: jax.Array) -> jax.Array:
+    return w_RV / jnp.sum(w_RV, axis=-1, keepdims=True)
 
 
 def _float_order_key(x_RV: jax.Array) -> jax.Array:
@@ -247,15 +262,15 @@ def _top_p_by_sort(logits_RV: jax.Array, top_p: float) -> jax.Array:
     return ~drop_RV
 
 
-def _top_p_by_radix(logits_RV: jax.Array, top_p_R: jax.Array) -> jax.Array:
+def _top_p_by_radix(logits_RV: jax.Array, top_p_R: jax.Array, p_RV: jax.Array | None = None) -> jax.Array:
     """bool [R, V] kept by top-p for any row, without a sort: a radix search over the logits' float order.
 
     The cut falls in the tie group of the largest logit v whose tokens at or above it hold >= top_p of the mass
     (in the warper's terms: 1 - that mass <= 1 - top_p); tokens above v are kept, tokens below dropped, and within
     v's group a token is kept while the mass ranked before it (every larger logit, then the tied tokens of
     higher ids) leaves more than 1 - top_p after it. v is found by a radix search over the order-preserving uint32
-    image of the float32 logits (`_largest_key_below`: four 256-bucket histograms of the mass)."""
-    p_RV = jax.nn.softmax(logits_RV, axis=-1)
+    image of the float32 logits (`_largest_key_below`). p_RV: the logits' softmax, when the caller has it."""
+    p_RV = jax.nn.softmax(logits_RV, axis=-1) if p_RV is None else p_RV
     key_RV = _float_order_key(logits_RV)
     top_p_R1 = jnp.broadcast_to(top_p_R, logits_RV.shape[:1])[:, None]
 
@@ -272,8 +287,8 @@ def _top_p_by_radix(logits_RV: jax.Array, top_p_R: jax.Array) -> jax.Array:
     return (key_RV > cut_R[:, None]) | (tied_RV & (below_R1 + through_RV * p_tied_R1 > 1.0 - top_p_R1))
 
 
-def _top_p_among_candidates(logits_RV: jax.Array, vals_RM: jax.Array, idx_RM: jax.Array,
-                            top_p_R: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _top_p_among_candidates(logits_RV: jax.Array, vals_RM: jax.Array, idx_RM: jax.Array, top_p_R: jax.Array,
+                            p_RV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """bool [R, V] kept by top-p, decided among the m largest logits (vals_RM, idx_RM: lax.top_k of logits_RV),
     and bool [R]: whether that is exact.
 
@@ -284,12 +299,15 @@ def _top_p_among_candidates(logits_RV: jax.Array, vals_RM: jax.Array, idx_RM: ja
     outside the candidates ranks below every candidate whose logit beats the m-th largest, so when those hold
     >= top_p of the mass, all others are dropped and the candidates alone decide (exact); the same when every
     token with mass is a candidate (top-k kept fewer than m). The decisions equal the sort's up to the rounding
-    of the cumulative sums, summed here from the top down."""
+    of the cumulative sums, summed here from the top down. p_RV: the logits' softmax, when the caller has it."""
     rows, vocab = logits_RV.shape
     m = vals_RM.shape[-1]
     top_p_R1 = jnp.broadcast_to(top_p_R, (rows,))[:, None]
     pos_M = jnp.arange(m)
-    p_RM = jnp.exp(vals_RM - jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True))
+    if p_RV is None:
+        p_RM = jnp.exp(vals_RM - jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True))
+    else:  # a candidate cut away (-inf) has mass 0
+        p_RM = jnp.where(vals_RM == -jnp.inf, 0.0, jnp.take_along_axis(p_RV, idx_RM, axis=-1))
     above_RM = jnp.cumsum(p_RM, axis=-1) - p_RM  # mass of the candidates listed before
     # Group boundaries: each value against its predecessor, read with a gather (a shifted slice or concatenation of
     # top_k's values makes XLA:CPU sort the whole vocabulary instead, 25x slower at [8, 4096]).
