@@ -549,6 +549,7 @@ def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypat
         assert len(calls) == 1 and calls[0]["repeats"] == auto.RETIME_FACTOR * calibration.RUN_REPEATS
         assert calls[0]["chains"] == [d for _, d, _ in first.spec_rounds]  # the chains timed the first time
         assert calls[0]["min_time_s"] == auto.RETIME_FACTOR * calibration.RUN_MIN_TIME_S
+        assert calls[0]["earlier"].noise == with_noise(first, 0.05).noise  # pooled with the first timings
         # Timed again once: another budget plans from the new timings without timing a third time.
         again = specjax.generate(target, prompts, max_new_tokens=12, drafter=drafter, num_draft_tokens="auto")
         assert len(calls) == 1 and again.stats["plan"]["margin_before_retiming"] == pytest.approx(0.1)
@@ -557,6 +558,21 @@ def test_auto_times_again_when_the_gain_is_inside_the_noise(tiny_pair, monkeypat
     out = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, num_draft_tokens="auto")
     assert out.stats["plan"]["kind"] == "chain" and out.stats["plan"]["margin_before_retiming"] is None
     assert len(calls) == 1
+
+
+def test_timing_again_pools_with_the_first_timings():
+    """RunTimes keep their timed rounds: a second timing's medians and noise are over both (more rounds, a smaller
+    error), and timings of other chains are refused rather than pooled."""
+    rng = np.random.default_rng(0)
+    rounds = [(0.010 * (1 + 0.05 * rng.standard_normal()), 0.002, 0.020 * (1 + 0.05 * rng.standard_normal()),
+               0.030 * (1 + 0.05 * rng.standard_normal())) for _ in range(40)]
+    first, both = calibration.summarise((1, 2), tuple(rounds[:8])), calibration.summarise((1, 2), tuple(rounds))
+    assert first.samples == tuple(rounds[:8]) and [d for _, d, _ in both.spec_rounds] == [1, 2]
+    assert both.plain_step_s == pytest.approx(np.median([r[0] for r in rounds]))
+    assert both.spec_rounds[1][2] == pytest.approx(np.median([r[3] for r in rounds]))
+    assert all(b < f for b, f in zip(both.noise, first.noise))
+    with pytest.raises(ValueError, match="chains"):
+        calibration.run_times(None, None, [[1]], [1, 4], earlier=first)
 
 
 def test_auto_margin_follows_the_timing_noise():

@@ -144,14 +144,14 @@ def _best_shape(measured: AutoMeasurements, target, drafter, batch: int, trees: 
 
 def _retimed(measured: AutoMeasurements, target, drafter, prompts, batch: int, run: dict[str, Any], best: Scored,
              margin: float) -> AutoMeasurements:
-    """`measured` with its loops timed again, RETIME_FACTOR times longer, and the cost model corrected to those
-    timings (acceptance and the pass costs are kept)."""
+    """`measured` with its loops timed again, RETIME_FACTOR times longer and pooled with the first timings, and the
+    cost model corrected to them (acceptance and the pass costs are kept)."""
     chains = [depth for _, depth, _ in measured.times.spec_rounds]  # the chains timed the first time
     with tqdm(total=1, desc=f"specjax auto (batch {batch}): {best.shape.label} gains {best.speedup - 1:.1%}, inside "
               f"the timings' noise ({margin:.1%}): timing again", leave=False, file=sys.stderr) as bar:
         times = run_times(target, drafter, prompts, chains, repeats=RETIME_FACTOR * RUN_REPEATS,
                           min_time_s=RETIME_FACTOR * RUN_MIN_TIME_S, max_repeats=RETIME_FACTOR * RUN_MAX_REPEATS,
-                          **run)
+                          earlier=measured.times, **run)
         bar.update()
     return dataclasses.replace(measured, cost=with_loop_times(measured.base, times, batch), prefill_s=times.prefill_s,
                                times=times, retimed_from=margin, plans={})

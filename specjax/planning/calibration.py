@@ -144,7 +144,7 @@ RUN_REPEATS, RUN_MIN_TIME_S, RUN_MAX_REPEATS = 7, 2.0, 30  # run_times' defaults
 
 def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: int = 64, sampling=None,
               seed: int = 0, eos_token_id=None, repeats: int = RUN_REPEATS, min_time_s: float = RUN_MIN_TIME_S,
-              max_repeats: int = RUN_MAX_REPEATS) -> RunTimes:
+              max_repeats: int = RUN_MAX_REPEATS, earlier: RunTimes | None = None) -> RunTimes:
     """Median seconds per plain step and per speculative round of each chain length, and the prefill.
 
     Each loop runs for max_new_tokens and for a quarter of that; the difference in time over the
@@ -155,10 +155,13 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
     the timed ones add up to min_time_s: small batches run in milliseconds, where a few runs are noise.
     Three rounds (the old default) were too few on this 2-core machine: at batch 16, three calls in a row
     once gave plain-step medians 2.47, 3.22 and 2.97 ms and noise estimates (a MAD of three) from 0.8% to
-    21%; `python scripts/loop_timing_noise.py` compares settings side by side.
+    21%; `python scripts/loop_timing_noise.py` compares settings side by side. `earlier`: timings of the same
+    loops to pool these rounds with (medians and noise over both), so timing again adds to what was measured.
     """
     kw = {"sampling": sampling or SamplingConfig(), "seed": seed, "eos_token_id": eos_token_id, "max_len": None}
     lengths = (max_new_tokens, max(1, max_new_tokens // 4))
+    if earlier is not None and [d for _, d, _ in earlier.spec_rounds] != list(chains):
+        raise ValueError(f"earlier timings are of chains {[d for _, d, _ in earlier.spec_rounds]}, not {list(chains)}")
 
     def per_iteration(run) -> tuple[float, float]:
         """(seconds per loop iteration, seconds of the longer run beyond its iterations)."""
@@ -169,32 +172,37 @@ def run_times(target, drafter, prompts, chains: Sequence[int], max_new_tokens: i
         step = (long.stats["decode_s"] - short.stats["decode_s"]) / iterations
         return step, max(0.0, long.stats["decode_s"] - step * long.stats["rounds"])
 
-    plain, rounds = [], {k: [] for k in chains}
-
     # Both lengths run one executable per loop (shaped for the longer): half the compiles, and the difference
     # of the two runs is then the iterations alone.
     kw["token_bucket"] = lengths[0]
 
-    def one_round() -> None:
-        plain.append(per_iteration(lambda n: plain_generate(target, prompts, max_new_tokens=n, **kw)))
-        for k in chains:
-            rounds[k].append(per_iteration(lambda n: speculative_generate(target, prompts, drafter, spec=chain(k),
-                                                                          max_new_tokens=n, **kw))[0])
+    def one_round() -> tuple[float, ...]:
+        """(plain step, the plain run's prefill, a round of each chain)."""
+        plain = per_iteration(lambda n: plain_generate(target, prompts, max_new_tokens=n, **kw))
+        return plain + tuple(per_iteration(lambda n: speculative_generate(target, prompts, drafter, spec=chain(k),
+                                                                          max_new_tokens=n, **kw))[0] for k in chains)
 
-    one_round()  # compiles: dropped below
+    one_round()  # compiles (or warms up): not counted
+    samples = []
     start = time.perf_counter()
     # How long to go on is decided from this process's clock: every process of a multi-host job runs process 0's
     # count of rounds (each round's loops are collectives), and takes its timings (specjax/multihost.py agreed).
-    while len(plain) <= repeats or agreed(np.asarray(time.perf_counter() - start < min_time_s
-                                                     and len(plain) <= max_repeats)):
-        one_round()
-    step_s, prefill_s = np.median(np.array(plain[1:]), axis=0)
-    plain_error = relative_error([p for p, _ in plain[1:]])
-    chain_s = np.asarray([np.median(t[1:]) for t in rounds.values()])
-    noise = np.asarray([np.hypot(plain_error, relative_error(t[1:])) for t in rounds.values()])
-    step_s, prefill_s, chain_s, noise = agreed((np.asarray(step_s), np.asarray(prefill_s), chain_s, noise))
-    return RunTimes(float(step_s), tuple((k + 1, k, float(t)) for k, t in zip(rounds, chain_s)), float(prefill_s),
-                    tuple(float(e) for e in noise))
+    while len(samples) < repeats or agreed(np.asarray(time.perf_counter() - start < min_time_s
+                                                      and len(samples) < max_repeats)):
+        samples.append(one_round())
+    return summarise(chains, (earlier.samples if earlier is not None else ()) + tuple(samples))
+
+
+def summarise(chains: Sequence[int], samples: tuple[tuple[float, ...], ...]) -> RunTimes:
+    """RunTimes from timed rounds, each (plain step, prefill, a round of each chain): medians, and per chain the
+    relative standard error of its median and the plain step's together; agreed across a multi-host job."""
+    x_NC = np.asarray(samples, float)
+    plain_error = relative_error(x_NC[:, 0])
+    noise = np.asarray([np.hypot(plain_error, relative_error(x_NC[:, 2 + i])) for i in range(len(chains))])
+    medians = agreed((np.median(x_NC, axis=0), noise))
+    (step_s, prefill_s, *chain_s), noise = medians
+    return RunTimes(float(step_s), tuple((k + 1, k, float(t)) for k, t in zip(chains, chain_s)), float(prefill_s),
+                    tuple(float(e) for e in noise), tuple(tuple(float(v) for v in row) for row in samples))
 
 
 def relative_error(x: Sequence[float]) -> float:

@@ -475,6 +475,9 @@ class RunTimes:
     prefill_s: float = 0.0
     # Per chain in spec_rounds: the relative standard error of its round's median and the plain step's together.
     noise: tuple[float, ...] = ()
+    # The timed rounds the medians come from, each (plain step, prefill, a round of each chain): timing again pools
+    # with them (calibration.run_times(earlier=...)).
+    samples: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):
         if self.noise and len(self.noise) != len(self.spec_rounds):
