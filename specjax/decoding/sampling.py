@@ -93,7 +93,7 @@ def _kept(z_RV: jax.Array, e_RV: jax.Array, k_R: jax.Array, p_R: jax.Array, min_
 
     Decided among the CANDIDATES largest logits when they decide every row exactly, else by a radix search over
     the whole vocabulary; each way gives the same decisions (up to the rounding of cumulative sums). lax.top_k's
-    cost grows with its k (on this CPU, [40, 4096]: 0.82 ms for 64, 2.6 ms for 256, the radix search's cut 1.3 ms;
+    cost grows with its k (on this CPU, [40, 4096]: 0.87 ms for 64, 2.6 ms for 256, the radix search's cut 1.0 ms;
     `python scripts/bench_sampling.py`), so the candidates are few: top_k <= 64 and peaked rows take them, flat
     rows under top_p the search. Rows the candidates surely cannot decide (top_k > 64, and top-p rows a cheap
     bound shows too flat) go to the search without the lax.top_k."""
@@ -182,6 +182,7 @@ def _kept_by_radix(z_RV, e_RV, k_R, p_R, min_p_R) -> jax.Array:
 
 
 def _normalised(w_RV: jax.Array) -> jax.Array:
+    """Each row's weights scaled to sum to 1."""
     return w_RV / jnp.sum(w_RV, axis=-1, keepdims=True)
 
 
