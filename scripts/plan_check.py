@@ -38,6 +38,7 @@ from specjax.planning.planner import Call, drafts_with_a_model, shape_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny"
+PICK_BAR, PLAIN_BAR = 0.95, 0.98  # the bar (issue 11): pick / best measured, and "auto" over plain decoding
 REFERENCE_SLACK = 16  # tokens of replay reference past the budget: deeper than any draft measured here
 
 
@@ -68,14 +69,23 @@ def tree_rescorer(target, drafter, prompts: list[str], batch: int, cost, call, m
 
 def summary_table(drafters: dict) -> str:
     """Markdown, per drafter and batch: the pick, predicted and measured ("auto"'s own row, with the spread of
-    its runs), the best measured shape, pick / best, and whether the cell meets the bar."""
-    lines = ["| drafter | batch | pick | predicted | measured (min..max) | best measured | pick / best | within bar |",
-             "|---|---|---|---|---|---|---|---|"]
+    its runs), the best measured shape, pick / best with its 90% bootstrap interval over the repeats, and whether
+    the cell meets the bar; then how many misses the interval reaches the bar from (the noise, not the pick)."""
+    lines = ["| drafter | batch | pick | predicted | measured (min..max) | best measured | pick / best (90% interval) "
+             "| within bar |", "|---|---|---|---|---|---|---|---|"]
+    misses = within_noise = 0
     for name, d in drafters.items():
         for b, k in d["picks"].items():
+            low, high = k["pick_vs_best_interval"]
             lines.append(f"| {name} | {b} | {k['pick']} | {k['pick_predicted']:.2f}x | {k['auto_vs_plain']:.2f}x "
                          f"({k['auto_vs_plain_min']:.2f}..{k['auto_vs_plain_max']:.2f}) | {k['best_measured_shape']} "
-                         f"{k['best_measured']:.2f}x | {k['pick_vs_best']:.2f} | {'yes' if k['pass'] else 'NO'} |")
+                         f"{k['best_measured']:.2f}x | {k['pick_vs_best']:.2f} ({low:.2f}..{high:.2f}) | "
+                         f"{'yes' if k['pass'] else 'NO'} |")
+            misses += not k["pass"]
+            within_noise += not k["pass"] and high >= PICK_BAR and k["auto_vs_plain_max"] >= PLAIN_BAR
+    cells = sum(len(d["picks"]) for d in drafters.values())
+    lines += ["", f"{cells - misses} of {cells} cells within the bar; of the {misses} misses, {within_noise} with a 90% "
+              f"interval of pick / best reaching {PICK_BAR} (and runs of \"auto\" reaching {PLAIN_BAR}x plain)."]
     return "\n".join(lines)
 
 
@@ -132,7 +142,7 @@ def main(argv=None) -> int:
             auto = next(r for r in rows if r["batch"] == b and r["shape"] == "auto")
             k["auto_vs_plain"], k["auto_vs_plain_min"], k["auto_vs_plain_max"] = (
                 auto["speedup"], auto["speedup_min"], auto["speedup_max"])
-            k["pass"] = k["pick_vs_best"] >= 0.95 and k["auto_vs_plain"] >= 0.98
+            k["pass"] = k["pick_vs_best"] >= PICK_BAR and k["auto_vs_plain"] >= PLAIN_BAR
             ok &= k["pass"]
         text = f"### {name}\n\n" + format_table(rows, picks)
         print(text, flush=True)

@@ -489,6 +489,32 @@ def test_plan_check_script_tiny(tmp_path):
         assert all("speedup_predicted" in r for r in result["rows"]), name
         for k in result["picks"].values():
             assert {"pick_vs_best", "auto_vs_plain", "pass"} <= set(k)
+            low, high = k["pick_vs_best_interval"]
+            assert 0 < low <= high
+
+
+def test_pick_vs_best_interval_tells_a_worse_pick_from_noise():
+    """The bootstrap interval of pick / best, 20 repeats with 8% noise a run: a pick 15% slower than the best stays
+    below the bar; a pick that is the best shape's twin reaches it."""
+    from specjax.bench.plan import pick_summary
+
+    rng = np.random.default_rng(1)
+    plain = 100 * (1 + 0.1 * rng.standard_normal(20))
+    noisy = lambda mean: plain * mean * (1 + 0.08 * rng.standard_normal(20))  # noqa: E731
+
+    def rows(pick_tps, best_tps):
+        made = [{"batch": 1, "shape": s, "kind": k, "tokens_per_s_all": list(t)}
+                for s, k, t in (("off", "off", plain), ("chain:2", "chain", best_tps), ("auto", "auto", pick_tps))]
+        for r in made:
+            r["speedup"] = float(np.median(np.asarray(r["tokens_per_s_all"]) / plain))
+        return made
+
+    worse = pick_summary(rows(noisy(1.3 * 0.85), noisy(1.3)), {1: "auto"})[1]
+    low, high = worse["pick_vs_best_interval"]
+    assert low <= worse["pick_vs_best"] <= high < 0.95
+    twin = pick_summary(rows(noisy(1.3), noisy(1.3)), {1: "auto"})[1]
+    low, high = twin["pick_vs_best_interval"]
+    assert low < 1 and high >= 0.95
 
 
 def test_profile_cli_missing_target_is_one_line(tmp_path, capsys):

@@ -122,19 +122,40 @@ def add_predictions(rows: list[dict], shapes: list, cost, call=None, rescore_tre
 
 def pick_summary(rows: list[dict], picks: dict[int, str]) -> dict[int, dict[str, Any]]:
     """Per batch: the planner's pick (a row's label) against the best measured fixed shape (batches whose pick
-    was not measured are left out)."""
+    was not measured are left out), with the 90% bootstrap interval of pick / best (`pick_vs_best_interval`)."""
     out = {}
     for b, label in picks.items():
         measured = [r for r in rows if r["batch"] == b]
         mine = next((r for r in measured if r["shape"] == label), None)
         if mine is None:  # the pick was too large a pass to measure here
             continue
-        best = max((r for r in measured if r["kind"] != "auto"), key=lambda r: r["speedup"])
+        fixed = [r for r in measured if r["kind"] != "auto"]
+        best = max(fixed, key=lambda r: r["speedup"])
         shape = mine["plan"]["shape"] if mine.get("plan") else label
         out[b] = {"pick": shape, "pick_predicted": mine.get("speedup_predicted"), "pick_measured": mine["speedup"],
                   "best_measured_shape": best["shape"], "best_measured": best["speedup"],
-                  "pick_vs_best": mine["speedup"] / best["speedup"]}
+                  "pick_vs_best": mine["speedup"] / best["speedup"],
+                  "pick_vs_best_interval": pick_vs_best_interval(mine, fixed)}
     return out
+
+
+def pick_vs_best_interval(mine: dict, fixed: list[dict], level: float = 0.9, draws: int = 2000,
+                          seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap interval of pick / best measured over the repeats: each draw resamples the repeats (one index
+    for every configuration, as they ran interleaved), takes each shape's median speedup over the same repeats'
+    plain decoding and divides the pick's by the best of them. The best of a dozen noisy medians is partly the
+    luckiest; how far the interval reaches says whether a pick / best below a bar is the pick or the noise.
+    None when the rows carry no per-repeat timings."""
+    plain = next((r for r in fixed if r["kind"] == "off"), None)
+    if plain is None or any("tokens_per_s_all" not in r for r in [mine, *fixed]):
+        return None
+    tps_SR = np.asarray([r["tokens_per_s_all"] for r in [mine, *fixed]], float)  # shapes (the pick first), repeats
+    speedup_SR = tps_SR / np.asarray(plain["tokens_per_s_all"], float)
+    draws_DR = np.random.default_rng(seed).integers(0, speedup_SR.shape[1], (draws, speedup_SR.shape[1]))
+    medians_DS = np.median(speedup_SR[:, draws_DR], axis=2).T
+    ratio_D = medians_DS[:, 0] / medians_DS[:, 1:].max(axis=1)
+    low, high = np.quantile(ratio_D, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def format_table(rows: list[dict], picks: dict) -> str:
