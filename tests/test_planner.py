@@ -471,7 +471,7 @@ def test_load_curve_script_tiny(tmp_path):
         [r["speedup_predicted"] for r in redone["rows"]])
 
 
-def test_plan_check_script_tiny(tmp_path):
+def test_plan_check_script_tiny(tmp_path, capsys):
     """scripts/plan_check.py at a tiny size: "auto" and every shape measured, each predicted by the planner's own
     model, and the bar's two figures per batch."""
     import importlib.util
@@ -489,8 +489,10 @@ def test_plan_check_script_tiny(tmp_path):
         assert all("speedup_predicted" in r for r in result["rows"]), name
         for k in result["picks"].values():
             assert {"pick_vs_best", "auto_vs_plain", "pass"} <= set(k)
-            low, high = k["pick_vs_best_interval"]
-            assert 0 < low <= high
+            for low, high in (k["pick_vs_best_interval"], k["auto_vs_plain_interval"]):
+                assert 0 < low <= high
+    assert pc.main(["--from", str(out)]) in (0, 1)  # the saved run's cells again, measuring nothing
+    assert "cells within the bar" in capsys.readouterr().out
 
 
 def test_pick_vs_best_interval_tells_a_worse_pick_from_noise():
