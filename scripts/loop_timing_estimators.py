@@ -36,6 +36,11 @@ ESTIMATORS = {
 }
 
 
+def spread(x_TL: np.ndarray) -> str:
+    """(max - min) / median across trials, per loop."""
+    return " ".join(f"{s:6.1%}" for s in (x_TL.max(0) - x_TL.min(0)) / np.median(x_TL, 0))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
@@ -73,7 +78,6 @@ def main(argv=None) -> int:
         for e, v in estimates.items():
             v = np.asarray(v)
             ratio = v[:, 1:] / v[:, :1]
-            spread = lambda a: " ".join(f"{s:6.1%}" for s in (a.max(0) - a.min(0)) / np.median(a, 0))  # noqa: E731
             print(f"  {e:30s} {spread(v)} | {spread(ratio)}")
     return 0
 

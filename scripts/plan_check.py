@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from specjax import generate, load, load_drafter
 from specjax.bench.ar import machine_info
@@ -88,8 +89,21 @@ def summary_table(drafters: dict) -> str:
             within_noise += not k["pass"] and high >= PICK_BAR and auto_high >= PLAIN_BAR
     cells = sum(len(d["picks"]) for d in drafters.values())
     lines += ["", f"{cells - misses} of {cells} cells within the bar; of the {misses} misses, {within_noise} with both "
-              f"90% intervals reaching the bar (pick / best {PICK_BAR}, \"auto\" {PLAIN_BAR}x plain): the noise."]
+              f"90% intervals reaching the bar (pick / best {PICK_BAR}, \"auto\" {PLAIN_BAR}x plain): the noise.",
+              prediction_accuracy(drafters)]
     return "\n".join(lines)
+
+
+def prediction_accuracy(drafters: dict) -> str:
+    """One line: how many measured shapes the planner predicted within 15%, and per drafter the median
+    |predicted / measured - 1| of its chains and of its trees."""
+    errors = {name: {kind: [abs(r["error"]) for r in d["rows"] if r["kind"] == kind and "error" in r]
+                     for kind in ("chain", "tree")} for name, d in drafters.items()}
+    every = [e for by_kind in errors.values() for kind in by_kind.values() for e in kind]
+    median = lambda x: f"{np.median(x):.1%}" if x else "-"  # noqa: E731
+    return (f"Predicted within 15%: {sum(e <= 0.15 for e in every)} of {len(every)} measured shapes; median error "
+            + "; ".join(f"{name} chains {median(k['chain'])}, trees {median(k['tree'])}" for name, k in errors.items())
+            + ".")
 
 
 def parse_args(argv):
@@ -128,7 +142,7 @@ def cell_picks(rows: list[dict]) -> dict[int, dict]:
 def summarise_saved(path: str) -> int:
     """--from: the cells and the summary of a saved run, from its rows (no measuring)."""
     result = json.loads(Path(path).read_text())
-    drafters = {name: {"picks": cell_picks(d["rows"])} for name, d in result["drafters"].items()}
+    drafters = {name: {"rows": d["rows"], "picks": cell_picks(d["rows"])} for name, d in result["drafters"].items()}
     print(summary_table(drafters))
     return 0 if all(k["pass"] for d in drafters.values() for k in d["picks"].values()) else 1
 

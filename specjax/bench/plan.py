@@ -139,31 +139,25 @@ def pick_summary(rows: list[dict], picks: dict[int, str]) -> dict[int, dict[str,
     return out
 
 
-def pick_vs_best_interval(mine: dict, fixed: list[dict], level: float = 0.9) -> tuple[float, float] | None:
+def pick_vs_best_interval(mine: dict, fixed: list[dict], level: float = 0.9) -> tuple[float, float]:
     """A bootstrap interval of pick / best measured over the repeats: each draw resamples the repeats, takes each
     shape's median speedup over the same repeats' plain decoding and divides the pick's by the best of them. The
     best of a dozen noisy medians is partly the luckiest; how far the interval reaches says whether a pick / best
-    below a bar is the pick or the noise. None when the rows carry no per-repeat timings."""
+    below a bar is the pick or the noise."""
     medians_DS = _resampled_median_speedups([mine, *fixed], fixed)
-    if medians_DS is None:
-        return None
     return _interval(medians_DS[:, 0] / medians_DS[:, 1:].max(axis=1), level)
 
 
-def speedup_interval(row: dict, rows: list[dict], level: float = 0.9) -> tuple[float, float] | None:
+def speedup_interval(row: dict, rows: list[dict], level: float = 0.9) -> tuple[float, float]:
     """A bootstrap interval of one row's median speedup over plain decoding (the "off" row among `rows`), its
     repeats resampled as in pick_vs_best_interval."""
-    medians_DS = _resampled_median_speedups([row], rows)
-    return None if medians_DS is None else _interval(medians_DS[:, 0], level)
+    return _interval(_resampled_median_speedups([row], rows)[:, 0], level)
 
 
-def _resampled_median_speedups(shapes: list[dict], rows: list[dict], draws: int = 2000,
-                               seed: int = 0) -> np.ndarray | None:
-    """[draws, shapes]: each shape's median speedup over plain decoding on resampled repeats, one index for every
-    configuration per draw (they ran interleaved, repeat i all together). None without per-repeat timings."""
-    plain = next((r for r in rows if r["kind"] == "off"), None)
-    if plain is None or any("tokens_per_s_all" not in r for r in shapes):
-        return None
+def _resampled_median_speedups(shapes: list[dict], rows: list[dict], draws: int = 2000, seed: int = 0) -> np.ndarray:
+    """[draws, shapes]: each shape's median speedup over plain decoding (measure_shapes' "off" row) on resampled
+    repeats, one index for every configuration per draw (they ran interleaved, repeat i all together)."""
+    plain = next(r for r in rows if r["kind"] == "off")
     speedup_SR = np.asarray([r["tokens_per_s_all"] for r in shapes], float) / np.asarray(plain["tokens_per_s_all"])
     draws_DR = np.random.default_rng(seed).integers(0, speedup_SR.shape[1], (draws, speedup_SR.shape[1]))
     return np.median(speedup_SR[:, draws_DR], axis=2).T
