@@ -115,7 +115,7 @@ def parse_args(argv):
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--min-time", type=float, default=20.0,
+    ap.add_argument("--min-time", type=float, default=60.0,
                     help="more repeats (up to 60) until one batch's timed runs add up to this many seconds")
     ap.add_argument("--out", default="runs/plan_check.json")
     ap.add_argument("--from", dest="saved", metavar="JSON",
