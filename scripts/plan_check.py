@@ -140,9 +140,11 @@ def cell_picks(rows: list[dict]) -> dict[int, dict]:
 
 
 def summarise_saved(path: str) -> int:
-    """--from: the cells and the summary of a saved run, from its rows (no measuring)."""
+    """--from: every measured row, the cells and the summary of a saved run, from its rows (no measuring)."""
     result = json.loads(Path(path).read_text())
     drafters = {name: {"rows": d["rows"], "picks": cell_picks(d["rows"])} for name, d in result["drafters"].items()}
+    for name, d in drafters.items():
+        print(f"### {name}\n\n" + format_table(d["rows"], d["picks"]) + "\n")
     print(summary_table(drafters))
     return 0 if all(k["pass"] for d in drafters.values() for k in d["picks"].values()) else 1
 
