@@ -73,8 +73,8 @@ class _Active:
 class Engine:
     """Continuous batching over `max_slots` decode slots, each with its own KV cache row (and drafter state).
 
-    num_draft_tokens: "auto" (off and chains of AUTO_CHAINS, chosen per chunk from the live occupancy), K (a fixed
-    chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
+    num_draft_tokens: "auto" (off and chains of `auto_chains` drafts, chosen per chunk from the live occupancy), K (a
+    fixed chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
     request may ask (None: requests may not ask logprobs; computing them costs every round). penalties: whether
     requests may use repetition / presence / frequency penalties and min_tokens (their token counts cost memory
     [slots, vocab] and every round). sampling: whether requests may sample (False compiles the greedy path only).
@@ -82,7 +82,8 @@ class Engine:
 
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
                  num_draft_tokens="auto", tree=None, logprobs: int | None = None, penalties: bool = False,
-                 sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096):
+                 sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096,
+                 auto_chains: Sequence[int] = AUTO_CHAINS):
         if not isinstance(target, Target):
             raise TypeError(f"Engine's first argument must be a specjax Target, got {type(target).__name__}")
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("max_prefill_batch", max_prefill_batch),
@@ -95,13 +96,13 @@ class Engine:
         self.target, self.max_slots, self.max_len = target, max_slots, max_len
         self.max_top_logprobs, self.penalties, self.sampling = logprobs, penalties, sampling
         self.max_prefill_batch, self.prefill_tokens_per_gap = max_prefill_batch, prefill_tokens_per_gap
-        self.labels, specs = _shapes(drafter, num_draft_tokens, tree)
+        self.labels, specs = _shapes(drafter, num_draft_tokens, tree, auto_chains)
         if drafter is not None:
             check_drafter_argument(drafter)
             check_drafter_fits(drafter, target)
         self.drafter = drafter
         nodes = max((s.cache_slots for s in specs.values()), default=0)
-        self.cache_len = round_cache_length(max_len + nodes)
+        self.cache_len = round_cache_length(max(max_len + nodes, bucket(max_len - 1)))  # holds any prompt bucket
         self.out_len = max_len
         self.depth = max((s.max_depth for s in specs.values()), default=1)
         self.lc = {sampled: LoopConfig(target.cfg, sampled, self.out_len, self.cache_len, target.attn_impl,
@@ -117,6 +118,7 @@ class Engine:
         self._prefill_drafter = self.configured.get((_first_spec(self.labels), max(self.lc)))
         self._trace_axes()
         self._compiles = 0
+        self._compiled: list = []  # what compiled, in order
         self._compile_s = 0.0
         self._executables: dict[tuple, Any] = {}
         self.warmed_up = False
@@ -557,7 +559,7 @@ class Engine:
         if jitted is None:
             jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,))
             self._executables[key] = jitted
-        return _Counted(self, jitted, static)
+        return _Counted(self, jitted, static, key[0])
 
     def _draft_params(self):
         return None if self.drafter is None else self.drafter.params
@@ -635,6 +637,12 @@ class Engine:
                             self.policy.round_s[(nb, label)].add((time.perf_counter() - start) / WARMUP_ROUNDS)
                     self._exec("snapshot", ops.snapshot)(self._slots)
                     self._retire_all()
+        if self.max_slots > 1:  # a retirement below a live row moves that row down
+            dummies = [self._dummy(1, 2) for _ in range(2)]
+            self._prefill(dummies, 16)
+            dummies[0].finished = True
+            self._retire()
+            self._retire_all()
 
     def _dummy(self, prompt_len: int, max_new: int = 1) -> _Active:
         return self._validate([1] * max(1, prompt_len), {"max_new_tokens": max_new, "temperature": 0.0})
@@ -649,8 +657,8 @@ class Engine:
 class _Counted:
     """A jitted function that counts its compiles (a new argument signature) on the engine."""
 
-    def __init__(self, engine: Engine, jitted, static: dict):
-        self.engine, self.jitted, self.static = engine, jitted, static
+    def __init__(self, engine: Engine, jitted, static: dict, name):
+        self.engine, self.jitted, self.static, self.name = engine, jitted, static, name
 
     def __call__(self, *args):
         before = self.jitted._cache_size()
@@ -658,6 +666,7 @@ class _Counted:
         out = self.jitted(*args, **self.static)
         if self.jitted._cache_size() != before:
             self.engine._compiles += 1
+            self.engine._compiled.append(self.name)
             self.engine._compile_s += time.perf_counter() - start
         return out
 
@@ -666,7 +675,7 @@ def partial_prefill(lc, drafter, depth):
     return lambda *a: ops.prefill(*a, lc=lc, drafter=drafter, depth=depth)
 
 
-def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
+def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tuple[list[str], dict]:
     """The engine's candidate shapes: labels in order and their tree specs ("off" has none)."""
     if drafter is None:
         if num_draft_tokens not in ("auto", "off", None) or tree is not None:
@@ -684,7 +693,9 @@ def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
     if num_draft_tokens == "off":
         return [OFF], {}
     if num_draft_tokens == "auto":
-        specs = {f"chain:{k}": parse_tree(None, k) for k in AUTO_CHAINS}
+        if not auto_chains or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in auto_chains):
+            raise ValueError(f"auto_chains must be a non-empty list of positive chain lengths, got {auto_chains!r}")
+        specs = {f"chain:{k}": parse_tree(None, k) for k in sorted(set(auto_chains))}
         return [OFF, *specs], specs
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be 'auto', 'off' or a positive int K, got {num_draft_tokens!r}")
