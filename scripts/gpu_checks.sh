@@ -9,6 +9,8 @@
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
+#   scripts/gpu_checks.sh engine   the engine (continuous batching, speculation following the live load) on a random
+#                                  8B target: replay at 0.6 / 0.9 and a random draft model, concurrency 1..64
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
 # hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 525 s
 # (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
@@ -79,6 +81,12 @@ else
     echo "bench_allreduce: skipped, $gpus GPU" >"$out/bench_allreduce.log"
     echo "=== bench_tp: skipped ($gpus GPU here: tensor parallelism needs more than one)"
 fi
+elif [ "${1:-}" = "engine" ]; then
+# E1. specjax.Engine, random 8B target in bf16, 64 slots: per drafter (replay 0.6, replay 0.9, the random 1B-shaped
+#     draft model) "auto" against "off" and chains of 1, 2, 4 at concurrency 1, 4, 16, 64, then a ramp 1 -> 64 -> 1
+#     with the shape chosen against time (JSON and plot).
+step engine_load timeout 560 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
+    --requests 64 --tokens 64 --repeats 1 --step-s 3 --out "$out/engine_load.json" --plot "$out/engine_load.png"
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).
 step kernel_tests timeout 100 python -m pytest -q tests/kernels

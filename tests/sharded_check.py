@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEVICES = 8
-PARTS = ("dense", "heads", "hybrid", "moe", "kernel")
+PARTS = ("dense", "heads", "hybrid", "moe", "kernel", "engine")
 
 
 def run_part(part: str, workdir: Path, timeout: int = 900) -> tuple[dict, float]:
@@ -520,6 +520,52 @@ def part_kernel(work: Path, checks: Checks) -> None:
                calls[0][-400:] if calls else "no call")
 
 
+# ---- part "engine": specjax.Engine on a mesh (slots split over "data", kv heads over "model") ------------------
+
+
+def part_engine(work: Path, checks: Checks) -> None:
+    """Greedy requests through the engine at TP 2 and DP 2 x TP 4, with a draft model whose shape switches between
+    off and a chain at random, equal one device's plain decoding; no compile after warmup."""
+    import random
+
+    from hf_tiny import build_hf_model, save_hf_model
+
+    import specjax
+    from specjax.models.sharding import tensor_parallel_mesh
+
+    target_dir = save_hf_model(build_hf_model("qwen2", seed=5, num_attention_heads=8, num_key_value_heads=4,
+                                              num_hidden_layers=2, intermediate_size=128), work / "dense")
+    draft_dir = save_hf_model(build_hf_model("llama", seed=6, num_hidden_layers=1, hidden_size=32,
+                                             intermediate_size=64), work / "draft")
+    prompts = prompts_for(256) + [[5, 6, 7, 8, 9]]
+    budgets = [10, 6, 12, 8]
+    one = load_on(target_dir, None)
+    want = [specjax.generate(one, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in zip(prompts, budgets)]
+    meshes_ = {"tp2": tensor_parallel_mesh(2), "dp2_tp4": jax_mesh((2, 4))}
+    for name, mesh in meshes_.items():
+        target = load_on(target_dir, mesh)
+        draft = specjax.load_drafter(draft_dir, target)
+        with specjax.Engine(target, draft, max_slots=4, max_len=32, auto_chains=(2,), sampling=False,
+                            max_prefill_batch=2) as engine:
+            engine.warmup()
+            compiles = engine.stats()["compiles"]
+            rng = random.Random(0)
+            engine.policy.choose = lambda nb, live, current: rng.choice(engine.labels)
+            handles = [engine.submit(p, max_new_tokens=n, temperature=0.0) for p, n in zip(prompts, budgets)]
+            got = [h.result(timeout=600).tokens for h in handles]
+            # the engine keeps the checkpoint's EOS: compare up to where it stopped
+            checks.add(f"engine/{name} equals one device", all(g == w[:len(g)] for g, w in zip(got, want)),
+                       f"got {got} want {want}")
+            late = engine._compiled[compiles:]
+            checks.add(f"engine/{name} compiles after warmup", not late, f"compiled after warmup: {late}")
+
+
+def jax_mesh(shape):
+    import jax
+
+    return jax.make_mesh(shape, ("data", "model"))
+
+
 def main(part: str, workdir: str) -> None:
     import jax
 
@@ -531,7 +577,7 @@ def main(part: str, workdir: str) -> None:
     work.mkdir(parents=True, exist_ok=True)
     checks = Checks()
     {"dense": part_dense, "heads": part_heads, "hybrid": part_hybrid, "moe": part_moe,
-     "kernel": part_kernel}[part](work, checks)
+     "kernel": part_kernel, "engine": part_engine}[part](work, checks)
     print(json.dumps({"checks": checks.results, "seconds": time.perf_counter() - start}))
 
 
