@@ -23,6 +23,7 @@ from specjax.convert.hf import load_hf
 from specjax.models.model import merge
 from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh, with_expert_parallel
 from specjax.models.target import Target, serving_layout
+from specjax.quant.qarray import dequantize_tree
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -36,7 +37,7 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
 
 
 def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto", mesh=None,
-         tensor_parallel: int | None = None, rules: dict | None = None) -> Target:
+         tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False) -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     dtype ("float32" | "bfloat16" | "float16") overrides the stored dtype.
@@ -46,6 +47,9 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     models/sharding.py's rules, the batch over "data"; each device reads only its slice of every weight.
     tensor_parallel=n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
     rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
+    A quantized checkpoint (block FP8, compressed-tensors, AWQ, GPTQ: convert/quantized.py) keeps its weights
+    quantized on the device, dequantized inside each matmul in `dtype`; dequantize=True (the exact mode)
+    dequantizes them to `dtype` once, here, instead.
     """
     path = Path(path)
     if not path.exists():
@@ -64,6 +68,8 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
             params = restore_sharded(path, cfg, mesh, rules)
     else:
         hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None)
+        if dequantize:
+            params = dequantize_tree(params, cfg.dtype)
     generation = read_generation_config(path / "generation_config.json")
     cfg = with_generation_eos(cfg, generation, path / "generation_config.json")
     mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them
