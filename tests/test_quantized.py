@@ -99,3 +99,25 @@ def test_greedy_speculative_equals_plain(target, other, plain, name, tree):
     out = specjax.generate(target, [PROMPT, PROMPT[:3]], max_new_tokens=MAX_NEW, eos_token_id=[],
                            drafter=make(name, target, other, plain), tree=tree)
     assert out.tokens == plain.tokens
+
+
+def test_device_memory_is_the_quantized_size_and_the_plan_counts_it(fp8_dir, target):
+    from specjax.convert.quantized import read_scheme
+    from specjax.planning.memory import format_memory, memory_plan, weight_bytes
+    from specjax.planning.profile import DEVICES
+
+    cfg = target.cfg
+    d, f, qd, kvd, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, \
+        cfg.num_kv_heads * cfg.head_dim, cfg.num_layers, cfg.vocab_size
+    quantized = L * (d * qd + 2 * d * kvd + 3 * d * f)  # q, k, v, gate, up, down: FP8, one byte each
+    scales = L * (quantized // L) // (32 * 32) * 2  # one bf16 scale per 32 x 32 block
+    plain = cfg.num_params() - quantized  # embedding, lm_head, norms, every o_proj: fp32
+    held = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(target.params))
+    assert held == quantized + scales + 4 * plain
+    assert held < 0.6 * 4 * cfg.num_params()
+    scheme = read_scheme(target.hf_config)
+    assert weight_bytes(cfg, None) == 4 * cfg.num_params()
+    assert weight_bytes(cfg, None, scheme) == pytest.approx(held, rel=2e-3)  # the plan assumes f32 scales
+    plan = memory_plan(cfg, "fp8", DEVICES["h100"], 1, 1, 128, scheme=scheme)
+    assert plan.weight_bytes == weight_bytes(cfg, {}, scheme) and "| fp8 (fp8) |" in format_memory([plan])

@@ -68,6 +68,25 @@ class QuantScheme:
                          f"{list(self.config.get('config_groups', {}))}), yet it is stored quantized")
 
 
+def bytes_per_weight(scheme: QuantScheme) -> float:
+    """Device bytes per element of a quantized linear weight as specjax holds it: the values at their width
+    (int4 at half a byte: packed on an accelerator; the CPU stores a byte each) plus the scales (and int8 zero
+    points) spread over the elements they cover. Assumed where config.json does not say: FP8 block scales in f32,
+    compressed-tensors scales in bf16; per-channel scales count as nothing (one per output row of thousands)."""
+    qc = scheme.config
+    if scheme.method == "fp8":
+        block = qc.get("weight_block_size")
+        return 1 + (4 / (block[0] * block[1]) if block else 0)
+    if scheme.method in ("awq", "gptq"):
+        bits, g = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+        return bits / 8 + (2 + 1) / g if g > 0 else bits / 8
+    w = next(iter(qc.get("config_groups", {}).values()), {}).get("weights") or {}
+    per_scale = {"group": w.get("group_size") or 0, "block": math.prod(w.get("block_structure") or (0,))}.get(
+        w.get("strategy"), 0)
+    return int(w.get("num_bits", 8)) / 8 + ((2 + (0 if w.get("symmetric", True) else 1)) / per_scale
+                                            if per_scale else 0)
+
+
 def read_scheme(hf_cfg: dict) -> QuantScheme | None:
     """The quantization config.json declares (None: a plain checkpoint); an unsupported method is refused by name."""
     qc = hf_cfg.get("quantization_config") or hf_cfg.get("compression_config")
@@ -182,7 +201,7 @@ def read_scaled(got: dict, module: str, scheme: QuantScheme, compute_dtype: str)
 
 
 def zero_point(got: dict, module: str, shape, weight_shape, bits: int | None) -> np.ndarray | None:
-    """The stored zero point [O / bo, I / bi] as fp32 (unpacked along the output for pack-quantized), None when
+    """The stored zero point [O / bo, I / bi] as int8 (unpacked along the output for pack-quantized), None when
     absent or all zero (symmetric)."""
     if "weight_zero_point" not in got:
         return None
@@ -191,7 +210,7 @@ def zero_point(got: dict, module: str, shape, weight_shape, bits: int | None) ->
         z = unpack_int32(z, bits, shape[0], axis=0, signed=True)
     check_shape(f"{module}.weight_zero_point", z, shape, f"a weight of shape {list(weight_shape)} with scales "
                 f"{list(shape)}")
-    return None if not np.any(z) else z.astype(np.float32)
+    return None if not np.any(z) else z.astype(np.int8)
 
 
 def unpack_int32(packed: np.ndarray, bits: int, n: int, axis: int, signed: bool = False,
@@ -210,7 +229,7 @@ def unpack_int32(packed: np.ndarray, bits: int, n: int, axis: int, signed: bool 
     if vals.shape[-1] < n:
         raise ValueError(f"{packed.shape[axis]} packed words hold {vals.shape[-1]} values, fewer than {n}")
     vals = vals[..., :n].astype(np.int16) - ((1 << (bits - 1)) if signed else 0)
-    return np.moveaxis(vals, -1, axis).astype(np.int8)
+    return np.moveaxis(vals, -1, axis).astype(np.int8 if signed or bits < 8 else np.uint8)
 
 
 def as_int4(q: np.ndarray, bits: int) -> np.ndarray:
@@ -256,7 +275,7 @@ def read_awq(got: dict, module: str, scheme: QuantScheme, compute_dtype: str) ->
     qzeros = np.asarray(got["qzeros"])
     check_shape(f"{module}.qzeros", qzeros, (i // g, o // 8), f"an AWQ [{i}, {o}] weight in groups of {g}")
     q = unpack_int32(qweight, 4, o, axis=1, order=AWQ_ORDER)
-    zero = unpack_int32(qzeros, 4, o, axis=1, order=AWQ_ORDER).astype(np.float32)
+    zero = unpack_int32(qzeros, 4, o, axis=1, order=AWQ_ORDER)
     return QuantizedWeight(q.astype(ml_dtypes.uint4), scales, zero, block=(g, 1), fmt=f"awq int4 group {g}",
                            compute_dtype=compute_dtype)
 
@@ -274,10 +293,11 @@ def read_gptq(got: dict, module: str, scheme: QuantScheme, compute_dtype: str) -
         raise ValueError(f"'{module}': GPTQ group_size {g} does not divide its {i} input features")
     check_shape(f"{module}.scales", scales, (i // g, o), f"a GPTQ [{i}, {o}] weight in groups of {g}")
     q = unpack_int32(qweight, bits, i, axis=0)
-    zero = unpack_int32(np.asarray(got["qzeros"]), bits, o, axis=1).astype(np.float32)
+    zero = unpack_int32(np.asarray(got["qzeros"]), bits, o, axis=1).astype(np.int16)
     check_shape(f"{module}.qzeros", zero, (i // g, o), f"a GPTQ [{i}, {o}] weight in groups of {g} (unpacked)")
     if scheme.config.get("checkpoint_format", "gptq") != "gptq_v2":
         zero = zero + 1
+    zero = zero.astype(np.int8 if bits == 4 else np.int16)  # 8-bit v1 zero points reach 256
     g_idx = None
     if "g_idx" in got:
         g_idx = np.asarray(got["g_idx"]).astype(np.int32)
