@@ -7,9 +7,12 @@ side by side in one process, interleaved, medians.
            in bf16 and each format: ms per token, and the weight bytes each holds on the device
   plan     (--plan) the planner's best shape per batch (1..64) for the bf16 and the FP8 target, from verify profiles
            measured here, at the replay drafter's acceptance (0.8 by rank) and a free draft
+  spec     (--spec K) replay-drafter chains of K on the bf16 and the FP8 target: output equal to plain, ms per token
+  hlo      (--hlo) whether XLA fuses each format's dequantization into the GEMM (the compiled HLO, kept beside --out)
 
     python scripts/bench_quant.py --out docs/records/bench_quant_cpu.json
-    python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --formats fp8 int4 --tokens 64   (a GPU)
+    python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --formats fp8 int4 --tokens 64 --spec 3 --hlo
+        (a GPU: scripts/gpu_checks.sh quant)
 
 Single runs on a shared 2-core machine vary by +-25%: read the ratios.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -53,6 +57,55 @@ def bench_matmul(k: int, n: int, rows: list[int], formats: list[str], repeats: i
     return out
 
 
+def fusion_report(k: int, n: int, fmt: str) -> dict:
+    """Whether XLA fuses the dequantization into the matmul: the compiled HLO of x [1, K] @ W [K, N] in `fmt`,
+    and whether one fused computation holds both the quantized type and the dot (else the dequantized weight is
+    written out in full before the GEMM reads it again)."""
+    w = quantize_weight((0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(jnp.bfloat16), fmt)
+    x = jnp.ones((1, k), jnp.bfloat16)
+    compiled = jax.jit(lambda x, w: x @ w).lower(x, w).compile()
+    text = compiled.as_text()
+    return {"format": fmt, "K": k, "N": n, "convert_fused_into_gemm": gemm_reads_quantized(text, fmt),
+            "backend": jax.default_backend(), "hlo": text}
+
+
+def gemm_reads_quantized(hlo: str, fmt: str) -> bool:
+    """True when some matmul of the compiled HLO (a dot, a cuBLAS / cuBLASLt GEMM custom call, or a Triton GEMM
+    fusion) takes an operand of the quantized type itself, i.e. the dequantization happens inside the GEMM and no
+    dequantized copy of the weight is written to memory first."""
+    qtype = {"fp8": "f8e4m3fn", "int8": "s8", "int4": "s4"}[fmt]
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    for line in hlo.splitlines():
+        call = re.search(r" (dot|custom-call|fusion)\(([^)]*)\)", line)
+        if call is None:
+            continue
+        is_gemm = call.group(1) == "dot" or ("custom-call" == call.group(1) and re.search(
+            r"gemm|matmul", line)) or (call.group(1) == "fusion" and "kind=kCustom" in line and "gemm" in line)
+        operands = re.findall(r"%([\w.\-]+)", call.group(2))
+        if is_gemm and any(types.get(o) == qtype for o in operands):
+            return True
+    return False
+
+
+def bench_spec(targets: dict, prompts, tokens: int, k: int, accept: float, repeats: int) -> list[dict]:
+    """Speculation on each target: the replay drafter at `accept` (the target's own greedy continuation, each draft
+    token corrupted with probability 1 - accept), chains of k: tokens equal plain decoding's, time per token."""
+    rows, fns, plain = [], {}, {}
+    for name, target in targets.items():
+        plain[name] = specjax.generate(target, prompts, max_new_tokens=tokens, eos_token_id=[]).tokens
+        drafter = specjax.replay_drafter(plain[name], target.cfg.vocab_size, 1 - accept)
+        fns[name] = lambda t=target, d=drafter: specjax.generate(t, prompts, max_new_tokens=tokens, eos_token_id=[],
+                                                                  drafter=d, num_draft_tokens=k)
+    outs = {name: fn() for name, fn in fns.items()}
+    t = interleaved_medians(fns, repeats)
+    for name in targets:
+        rows.append({"format": name, "ms_per_token": t[name] * 1e3 / tokens, "equal_to_plain":
+                     outs[name].tokens == plain[name], "acceptance_length": outs[name].stats["acceptance_length"]})
+        print(f"spec   {name:5s} replay chain:{k} @{accept}: {rows[-1]['ms_per_token']:8.2f} ms/token, tau "
+              f"{rows[-1]['acceptance_length']:.2f}, equal to plain: {rows[-1]['equal_to_plain']}", flush=True)
+    return rows
+
+
 def bench_decode(preset: str, formats: list[str], batch: int, tokens: int, repeats: int) -> dict:
     base = random_model(PRESETS[preset], "bfloat16", seed=0, attn_impl="auto")
     targets = {"bf16": base}
@@ -78,7 +131,7 @@ def bench_decode(preset: str, formats: list[str], batch: int, tokens: int, repea
               f"{rows[-1]['weight_bytes'] / 2**20:8.1f} MiB (quantized size {rows[-1]['quantized_size'] / 2**20:8.1f}"
               f" MiB), greedy tokens equal to bf16's: {same:.2f}", flush=True)
     return {"preset": preset, "batch": batch, "tokens": tokens, "params": base.cfg.num_params(), "rows": rows,
-            "targets": targets}
+            "targets": targets, "prompts": prompts}
 
 
 def bench_plan(targets: dict, batches: list[int], nodes: list[int], cache_len: int, repeats: int) -> dict:
@@ -132,6 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per timed call")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--plan", action="store_true", help="also profile bf16 and fp8 and plan batches 1..64")
+    ap.add_argument("--spec", type=int, default=0, help="also speculate with replay chains of this length")
+    ap.add_argument("--hlo", action="store_true", help="also report whether XLA fuses each format's dequantization "
+                    "into the matmul (compiled HLO of the --matmul shape at M = 1)")
     ap.add_argument("--out", help="write the JSON record here")
     args = ap.parse_args(argv)
     result = {"machine": machine_info(), "argv": sys.argv[1:]}
@@ -139,8 +195,19 @@ def main(argv=None) -> int:
         k, n = (int(x) for x in args.matmul.split(","))
         result["matmul"] = bench_matmul(k, n, [int(m) for m in args.rows.split(",")], args.formats, args.repeats)
     decode = bench_decode(args.preset, args.formats, args.batch, args.tokens, args.repeats)
-    targets = decode.pop("targets")
+    targets, prompts = decode.pop("targets"), decode.pop("prompts")
     result["decode"] = decode
+    if args.spec:
+        result["spec"] = bench_spec({k: targets[k] for k in ("bf16", "fp8") if k in targets}, prompts, args.tokens,
+                                    args.spec, 0.8, args.repeats)
+    if args.hlo and args.matmul:
+        k, n = (int(x) for x in args.matmul.split(","))
+        reports = [fusion_report(k, n, f) for f in args.formats]
+        for r in reports:
+            print(f"hlo    {r['format']}: convert fused into the GEMM: {r['convert_fused_into_gemm']} ({r['backend']})")
+            if args.out:
+                Path(args.out).with_suffix(f".{r['format']}.hlo.txt").write_text(r["hlo"])
+        result["hlo"] = [{k: v for k, v in r.items() if k != "hlo"} for r in reports]
     if args.plan:
         result["plan"] = bench_plan(targets, [1, 8, 32, 64], [1, 4, 16], 256, 2)
     print(table_md(result))

@@ -210,3 +210,29 @@ def test_a_quantized_weight_is_a_pytree_of_its_parts():
     import jax
     qw = QuantizedWeight(np.zeros((4, 8), ml_dtypes.float8_e4m3fn), np.ones((1, 1), np.float32), block=(4, 8))
     assert len(jax.tree.leaves(qw)) == 2 and qw.nbytes == 32 + 4 and qw.shape == (4, 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quantized_random_targets_compute_their_dequantized_weights(fmt):
+    """quant/quantize.py (random quantized targets for benchmarks): the quantized forward equals the forward of the
+    weights it dequantizes to, and those stay near the originals (FP8's 3 mantissa bits, INT4's 16 levels)."""
+    import jax
+
+    from specjax.bench.ar import MICRO_PRESET
+    from specjax.config import ModelConfig
+    from specjax.models.model import init_params, sequence_forward
+    from specjax.quant.qarray import dequantize_tree
+    from specjax.quant.quantize import quantize_params
+
+    cfg = ModelConfig.from_hf(MICRO_PRESET, dtype="float32")
+    params = init_params(cfg, jax.random.key(0))
+    quantized = quantize_params(params, fmt)
+    assert isinstance(quantized["layers"]["w_up"], QuantizedWeight) and not isinstance(quantized["embed"],
+                                                                                       QuantizedWeight)
+    tokens = np.array([[1, 5, 9, 33]])
+    ours = jax.jit(lambda p: sequence_forward(p, cfg, tokens)[2])(quantized)
+    exact = sequence_forward(dequantize_tree(quantized, "float32"), cfg, tokens)[2]
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(exact), rtol=1e-5, atol=1e-5)
+    w, back = params["layers"]["w_up"], dequantize_tree(quantized, "float32")["layers"]["w_up"]
+    assert float(np.abs(np.asarray(back - w)).max() / np.abs(np.asarray(w)).max()) < {"fp8": 0.07, "int8": 0.01,
+                                                                                        "int4": 0.1}[fmt]
