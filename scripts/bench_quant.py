@@ -166,6 +166,13 @@ def table_md(result: dict) -> str:
     for r in d["rows"]:
         lines.append(f"| {r['format']} | {r['ms_per_token']:.1f} | {r['weight_bytes'] / 2**20:.0f} | "
                      f"{r['quantized_size'] / 2**20:.0f} | {r['tokens_equal_to_bf16']:.2f} |")
+    if result.get("spec"):
+        lines += ["", "| replay chain:3 @0.8 | ms / token | tau | equal to plain |", "|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['ms_per_token']:.1f} | {r['acceptance_length']:.2f} | {r['equal_to_plain']} |"
+                  for r in result["spec"]]
+    if result.get("hlo"):
+        lines += ["", "dequantization fused into the GEMM (" + result["hlo"][0]["backend"] + "): " + ", ".join(
+            f"{r['format']} {'yes' if r['convert_fused_into_gemm'] else 'no'}" for r in result["hlo"])]
     if result.get("plan"):
         pl = result["plan"]
         lines += ["", "| batch | bf16 best (nodes, speedup) | fp8 best (nodes, speedup) |", "|---|---|---|"]

@@ -86,6 +86,15 @@ def test_exact_mode_dequantizes_at_load_to_the_same_numbers(fp8_dir, target):
                                np.asarray(target.model(np.array([PROMPT]))), rtol=1e-5, atol=1e-5)
 
 
+def test_convert_writes_the_dequantized_model(fp8_dir, target, tmp_path):
+    from specjax.loading.target import convert
+
+    converted = specjax.load(convert(fp8_dir, tmp_path / "ckpt", dtype="float32"))
+    assert "quantized" not in repr(converted)
+    np.testing.assert_allclose(np.asarray(converted.model(np.array([PROMPT]))),
+                               np.asarray(target.model(np.array([PROMPT]))), rtol=1e-5, atol=1e-5)
+
+
 def test_stacked_layout_scans_the_quantized_layers(fp8_dir, target):
     stacked = specjax.load(fp8_dir, dtype="float32", layout="stacked")
     assert stacked.params["layers"]["wq"].q.shape == (4, 64, 128)  # [L, in, out], scales [L, 2, 4] beside

@@ -139,7 +139,9 @@ def generation_eos_ids(generation: dict, file: Path) -> tuple[int, ...] | None:
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
     """Hugging Face directory -> orbax checkpoint with config and tokenizer files, written atomically.
 
-    MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py).
+    MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py). A quantized
+    checkpoint is written dequantized to `dtype`: `specjax.load` of the Hugging Face directory itself keeps it
+    quantized (docs/quantization.md).
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -149,5 +151,6 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
                          f"specjax.load; to change its dtype, load(path, dtype=...) or convert its Hugging Face source")
     _check_dtype(dtype)
     hf_config, cfg, host_params = load_hf(src, dtype=dtype)
+    host_params = dequantize_tree(host_params, cfg.dtype)
     return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=checkpoint.tokenizer_files(src),
                            meta={"source": str(src.absolute())}, overwrite=overwrite)
