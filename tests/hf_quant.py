@@ -18,7 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.hf_tiny import save_hf_model
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+# The linear weights a quantizer converts: attention, MLP (dense, shared expert and per-expert ones) and Qwen3.5's
+# linear_attn projections; norms, convs, routers, embeddings and the lm_head stay plain.
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert|mlp\.experts\.\d+|linear_attn)\."
+                    r"\w*proj\w*\.weight")
 
 
 def rewrite(path: Path, quantize, quantization_config: dict, skip=lambda name: False) -> Path:

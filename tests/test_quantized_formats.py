@@ -254,3 +254,18 @@ def test_gptq_matmul_equals_autogptqs(case):
     assert (qw.g_idx is not None) == bool(f["desc_act"])
     y = jax.jit(lambda x, w: x @ w)(f["x"], jax.tree.map(np.asarray, qw))
     np.testing.assert_allclose(np.asarray(y), f["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_moe"])
+def test_hybrid_and_moe_fp8_checkpoints_equal_transformers(tmp_path, arch):
+    """Block FP8 on Qwen3.5 (linear_attn's in_proj_qkv / in_proj_z / out_proj, the gated attention, the MLPs) and
+    on Qwen3-MoE (every expert, one module each): specjax dequantizes those at load (docs/quantization.md) and a
+    MoE target's attention and dense-layer weights stay quantized; logits equal transformers' dequantized model."""
+    from hf_tiny import build_moe, build_qwen35
+
+    model = build_qwen35("causal_lm") if arch == "qwen3_5" else build_moe("qwen3_moe", num_hidden_layers=2)
+    path = write_block_fp8(model, tmp_path / arch, block=(16, 16))
+    target = specjax.load(path, dtype="float32")
+    assert ("quantized=fp8" in repr(target)) == (arch == "qwen3_moe")
+    ref = reference_logits(path)
+    np.testing.assert_allclose(logits(target), ref, atol=2e-4 * np.abs(ref).max())

@@ -120,6 +120,10 @@ def read_linear(tensors, module: str, scheme: QuantScheme, compute_dtype: str) -
     is stored plain. Shapes are checked against each other; the caller checks [I, O] against the config."""
     got = {s: tensors[f"{module}.{s}"] for s in SUFFIXES if f"{module}.{s}" in tensors}
     weight = got.get("weight")
+    if weight is not None and weight.ndim != 2 and len(got) > 1:
+        raise ValueError(f"tensor '{module}.weight' is quantized with {weight.ndim} dimensions {list(weight.shape)}: "
+                         "specjax reads quantized linear weights [out, in] (experts stored one per module); fused "
+                         "quantized expert tensors are not read yet")
     if "qweight" in got:
         if scheme.method not in ("awq", "gptq"):
             raise ValueError(f"tensor '{module}.qweight' is AWQ/GPTQ-packed but config.json declares "
