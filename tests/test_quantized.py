@@ -103,10 +103,16 @@ def test_stacked_layout_scans_the_quantized_layers(fp8_dir, target):
                                np.asarray(target.model(np.array([PROMPT]))), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, tree", [("draft-model", "chain:3"), ("eagle3", "chain:3"), ("dflash", "chain:3")])
+@pytest.mark.parametrize("name, tree", [("draft-model", "chain:3"), ("eagle3", "chain:3"), ("dflash", "chain:3"),
+                                        ("mtp", "chain:3")])
 def test_greedy_speculative_equals_plain(target, other, plain, name, tree):
+    """Every drafter family on the FP8 target (the MTP case: a random Qwen3.5-layout MTP layer on its widths, as a
+    quantizer that dropped `mtp.*` leaves the base checkpoint's to load_drafter)."""
+    from specjax.bench.spec import random_mtp
+
+    drafter = random_mtp(target) if name == "mtp" else make(name, target, other, plain)
     out = specjax.generate(target, [PROMPT, PROMPT[:3]], max_new_tokens=MAX_NEW, eos_token_id=[],
-                           drafter=make(name, target, other, plain), tree=tree)
+                           drafter=drafter, tree=tree)
     assert out.tokens == plain.tokens
 
 
