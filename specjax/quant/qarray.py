@@ -93,9 +93,6 @@ class QuantizedWeight:
             rows = xp.repeat(rows, bo, axis=-1)[..., :o]
         return rows
 
-    def describe(self) -> str:
-        return self.fmt
-
 
 def leaf_bytes(x) -> int:
     """Bytes of one array, sub-byte dtypes (int4) counted at their bit width."""
