@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from specjax.config import ModelConfig, SamplingConfig, text_config
 from specjax.convert.hf_files import read_hf_config, read_json
+from specjax.convert.quantized import read_scheme
 from specjax.decoding.tree import chain, parse_tree
 from specjax.drafters import NgramDrafter
 from specjax.loading.drafter import load_drafter
@@ -294,8 +295,8 @@ def memory_main(args: argparse.Namespace) -> int:
         hf = read_json(path) if path.is_file() else read_hf_config(path)
         cfg = ModelConfig.from_hf(hf)
         mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
-        plans = [memory_plan(cfg, path.name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp)
-                 for d in devices]
+        plans = [memory_plan(cfg, path.name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp,
+                             read_scheme(hf)) for d in devices]
     else:
         if args.tensor_parallel != 1:
             raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
