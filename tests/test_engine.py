@@ -40,9 +40,12 @@ def plain(target):
 
 
 def random_switches(engine, seed: int) -> None:
-    """Make the engine's policy pick off or a chain at random each chunk (a lossless engine must not care)."""
+    """Make the engine's policy switch shape every chunk, "off" and a chain in turn, sometimes twice in a row (a
+    lossless engine must not care; every return from "off" runs the drafter's catch-up)."""
     rng = random.Random(seed)
-    engine.policy.choose = lambda nb, live, current: rng.choice(engine.labels)
+    turn = iter(range(10 ** 9))
+    engine.policy.choose = lambda nb, live, current: engine.labels[(next(turn) + (rng.random() < 0.2)) %
+                                                                   len(engine.labels)]
 
 
 def run_with_arrivals(engine, prompts, budgets, seed: int, aborts: int = 2):
@@ -112,14 +115,14 @@ def test_no_compiles_after_warmup(target):
         lambda event, secs, **kw: compiles.append(event) if event == "/jax/compilation_cache/compile_time_saved_sec"
         or event.endswith("backend_compile_duration") else None)
     with specjax.Engine(target, draft, max_slots=2, max_len=48, auto_chains=(2,), max_prefill_batch=2,
-                        logprobs=1) as engine:
+                        logprobs=1, prefill_chunk=16) as engine:
         seconds = engine.warmup()
         assert seconds > 0 and engine.stats()["warmed_up"]
         before, events = engine.stats()["compiles"], len(compiles)
         rng = random.Random(0)
         handles = []
         for i in range(10):
-            prompt = [rng.randrange(3, 200) for _ in range(rng.choice([1, 5, 17, 30]))]
+            prompt = [rng.randrange(3, 200) for _ in range(rng.choice([1, 5, 17, 30]))]  # 17, 30: in pieces
             settings = {"max_new_tokens": rng.randrange(1, 48 - len(prompt))}
             if i % 2:
                 settings.update(temperature=0.8, seed=i)
@@ -240,3 +243,39 @@ def test_dspark_budgets_across_live_slots_stay_lossless(target, plain):
         assert_no_leaks(engine)
     with pytest.raises(ValueError, match="prefixes of one chain"):
         specjax.Engine(target, drafter, max_slots=2, max_len=32, scheduler="confidence")
+
+
+@pytest.mark.parametrize("kind", ["dense-eagle3", "hybrid-draft"])
+def test_chunked_prefill_equals_plain(target, tmp_path, kind):
+    """Prompts longer than prefill_chunk enter their slots piece by piece while others decode; outputs (and the
+    drafter's features over the whole prompt) are as a whole prefill gives them."""
+    if kind == "dense-eagle3":
+        t, drafter = target, specjax.load_drafter(specjax.embedded("eagle3"), target)
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(3, 4000, size=n).tolist() for n in (70, 9, 33, 100, 17)]
+    else:
+        t = specjax.load(save_hf_model(build_qwen35("causal_lm"), tmp_path / "hybrid"))
+        other = specjax.load(save_hf_model(build_hf_model("qwen3", seed=1, num_hidden_layers=1), tmp_path / "d"))
+        drafter = DraftModelDrafter(other.cfg, params=other.params)
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(3, 200, size=n).tolist() for n in (70, 9, 33, 100, 17)]
+    budgets = [9, 12, 6, 10, 8]
+    ref = [specjax.generate(t, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in zip(prompts, budgets)]
+    with specjax.Engine(t, drafter, max_slots=2, max_len=128, auto_chains=(2,), sampling=False, prefill_chunk=16,
+                        prefill_tokens_per_gap=32) as engine:
+        random_switches(engine, seed=4)
+        handles = [engine.submit(p, max_new_tokens=n, eos_token_id=[]) for p, n in zip(prompts, budgets)]
+        assert [h.result(timeout=600).tokens for h in handles] == ref
+        assert engine.stats()["chunked_prefills"] == 3
+        assert_no_leaks(engine)
+
+
+def test_eagle3_dynamic_tree_in_the_engine(target, plain):
+    drafter = specjax.load_drafter(specjax.embedded("eagle3"), target)
+    with specjax.Engine(target, drafter, max_slots=4, max_len=64, tree="dynamic:top_k=2,depth=2,total_tokens=6",
+                        sampling=False, max_prefill_batch=2) as engine:
+        outs, _ = run_with_arrivals(engine, PROMPTS, BUDGETS, seed=3, aborts=1)
+        for i, out in outs.items():
+            assert out.tokens == plain[i], f"request {i} differs from plain decoding with a dynamic tree"
+        assert engine.stats()["acceptance_at_depth"][0] > 0
+        assert_no_leaks(engine)

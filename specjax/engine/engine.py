@@ -171,7 +171,9 @@ class Engine:
         self._shape: str | None = None
         self._rounds = 1
         self._history: list[tuple[float, int, str]] = []
-        self._counters = collections.Counter()
+        self._counters = collections.Counter({k: 0 for k in ("chunks", "prefills", "prefill_rows", "chunked_prefills",
+                                                             "catch_up_rows", "tokens_emitted", "requests_finished",
+                                                             "requests_aborted")})
         self._started = time.perf_counter()
         self._slots = self._fresh_slots()
         self._slot_shardings = jax.tree.map(lambda x: x.sharding, self._slots)
@@ -850,9 +852,6 @@ def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tupl
         if num_draft_tokens not in ("auto", None):
             raise ValueError(f"pass either num_draft_tokens={num_draft_tokens!r} or tree={tree!r}, not both")
         spec = parse_tree(tree, None)
-        if isinstance(spec, DynamicTreeSpec):
-            raise ValueError("the engine runs static shapes (chains, static trees); a dynamic tree is not supported "
-                             "by the engine yet: use specjax.generate for it")
         return [_label(spec)], {_label(spec): spec}
     if num_draft_tokens == "off":
         return [OFF], {}
@@ -868,6 +867,8 @@ def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tupl
 
 
 def _label(spec) -> str:
+    if isinstance(spec, DynamicTreeSpec):
+        return f"dynamic:top_k={spec.top_k},depth={spec.depth},total_tokens={spec.total_tokens}"
     return f"chain:{spec.num_nodes - 1}" if spec.is_chain else f"tree:{spec.num_nodes}n/d{spec.max_depth}"
 
 
