@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 import weakref
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import TqdmWarning
 
 from specjax.decoding.request import batch_bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
@@ -23,6 +24,10 @@ from specjax.multihost import agreed, agreed_json
 from specjax.planning.calibration import RUN_MAX_REPEATS, RUN_MIN_TIME_S, RUN_REPEATS, calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import pass_costs, time_propose, with_loop_times
+
+with warnings.catch_warnings():  # in a notebook kernel without ipywidgets tqdm.auto warns, then uses the text bar
+    warnings.simplefilter("ignore", TqdmWarning)
+    from tqdm.auto import tqdm
 
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
