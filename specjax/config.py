@@ -483,7 +483,7 @@ class SamplingConfig:
                   for f in dataclasses.fields(self)}
         for t in _values(fields["temperature"]):
             if not _is_number(t) or t < 0:
-                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+                raise ValueError(f"temperature must be a number >= 0 (finite; 0 = greedy), got {t!r}")
         for k in _values(fields["top_k"]):
             if not _is_integer(k) or k < 0:
                 raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
@@ -524,7 +524,7 @@ class PenaltyConfig:
                   for f in dataclasses.fields(self)}
         for r in _values(fields["repetition_penalty"]):
             if not _is_number(r) or r <= 0:
-                raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+                raise ValueError(f"repetition_penalty must be a number > 0 (finite; 1 = off), got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             for v in _values(fields[name]):
                 if not _is_number(v) or not -2.0 <= v <= 2.0:

@@ -398,15 +398,15 @@ def main(args: argparse.Namespace) -> int:
     if bc.compare_hf and bc.preset not in GPU_PRESETS and not (find_spec("torch") and find_spec("transformers")):
         raise ValueError("the CPU presets compare against transformers, which needs torch and transformers "
                          "(pip install torch==2.13.0 transformers); or pass --no-hf to time specjax alone")
+    if bc.compare_hf and bc.max_new_tokens < SHORT_RUN_TOKENS:
+        print(f"note: --max-new-tokens {bc.max_new_tokens} is a short run: each call's fixed costs (transformers' "
+              f"generate set-up, the prefill) weigh more than the decode, which exaggerates the ratio to "
+              f"transformers; decode {SHORT_RUN_TOKENS} tokens or more for a figure to quote", file=sys.stderr)
     if args.dry_run:
         print(describe_plan(bc))
         return 0
     result = run_ar(bc, log=lambda msg: print(msg, flush=True))
     print(format_table(result))
-    if bc.compare_hf and bc.max_new_tokens < SHORT_RUN_TOKENS:
-        print(f"note: --max-new-tokens {bc.max_new_tokens} is a short run: each call's fixed costs (transformers' "
-              f"generate set-up, the prefill) weigh more than the decode, which exaggerates the ratio; decode "
-              f"{SHORT_RUN_TOKENS} tokens or more for a figure to quote", file=sys.stderr)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

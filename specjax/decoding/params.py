@@ -64,8 +64,8 @@ class SamplingParams:
             raise TypeError(f"max_new_tokens must be an int, got {v['max_new_tokens']!r} "
                             f"({type(v['max_new_tokens']).__name__})")
         if v["max_new_tokens"] <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int (tokens to generate per prompt), got "
-                             f"{v['max_new_tokens']}")
+            raise ValueError(f"max_new_tokens must be positive, got {v['max_new_tokens']} (the tokens to generate "
+                             "per prompt)")
         for name in FLAGS:
             if not isinstance(v[name], bool):
                 raise TypeError(f"{name} must be True or False, got {v[name]!r}"
@@ -160,7 +160,7 @@ def _stops(stop) -> tuple:
     if bad:
         raise TypeError(f"{what}an entry of type {type(bad[0]).__name__}: {bad[0]!r}")
     if any(not s for s in stop):
-        raise ValueError(f"stop strings must be non-empty, got {list(stop)!r}")
+        raise ValueError(f"stop must be a list of non-empty strings (or one such list per prompt), got {list(stop)!r}")
     return stop
 
 
