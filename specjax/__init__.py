@@ -30,5 +30,5 @@ __version__ = _version()
 del _version
 
 __all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "SamplingParams",
-           "StreamChunk", "Target", "__version__", "apply_chat_template", "chat_text", "convert", "embedded", "generate",
-           "inspect_draft", "load", "load_drafter", "replay_drafter", "stream"]
+           "StreamChunk", "Target", "__version__", "apply_chat_template", "chat_text", "convert", "embedded",
+           "generate", "inspect_draft", "load", "load_drafter", "replay_drafter", "stream"]

@@ -47,11 +47,15 @@ AUTO_MIN_GAIN = 0.02
 # those timings. plan_check at replay 0.6, batch 8: chain:2 predicted 1.075x under a margin of 8.5%, so "auto" decoded
 # plainly (0.99x) where chain:1 measured 1.09x.
 RETIME_FACTOR = 4
-# `specjax plan`'s default (quick=True): a bounded measurement per batch, the loops timed QUICK_REPEATS rounds and
-# never again, chains of QUICK_CHAINS (every one a compile), a gain inside the noise reported as such (the plan's
-# "undecided") rather than chased; `specjax plan --full` and generate(..., "auto") measure as above.
+# `specjax plan`'s default (quick=True): a bounded measurement per batch, the loops timed QUICK_REPEATS rounds of
+# QUICK_TIMING_TOKENS and never again, chains of QUICK_CHAINS (every one a compile), a gain inside the noise reported
+# as such (the plan's "undecided") rather than chased; `specjax plan --full` and generate(..., "auto") measure as
+# above. The README's `specjax plan --drafter checkpoints/tiny/eagle3 --concurrency 1,8,32 --tokens 64` took over
+# 15 minutes in full on this 2-core machine under load, quick (chains 1,2,4, three rounds of 64 tokens) 100 s of
+# CPU time.
 QUICK_REPEATS = 3
 QUICK_CHAINS = (1, 2, 4)
+QUICK_TIMING_TOKENS = 32  # the loops timed over this many tokens (and a quarter of it), not CALIBRATION_TOKENS
 # Target -> {key: AutoMeasurements}: per Target object (a target loaded on another mesh is another object, measured
 # on its own mesh; its loops' compile keys hold their arguments' shardings, request.params_signature)
 _AUTO_PLANS: weakref.WeakKeyDictionary | None = None
@@ -116,7 +120,8 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     call = Call(max_new_tokens, lambda b: measured.prefill_s)
     choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     undecided = 1 + AUTO_MIN_GAIN <= best.speedup < 1 + margin and measured.retimed_from is None
-    if agreed(np.asarray(undecided and not measured.quick)):  # one decision across a multi-host job: the timing runs are collectives
+    # one decision across a multi-host job: the timing runs are collectives; a quick measurement reports the noise
+    if agreed(np.asarray(undecided and not measured.quick)):
         measured = cached[key] = _retimed(measured, target, drafter, prompts, batch, run, best, margin)
         choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     chosen = best.shape
@@ -178,7 +183,8 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
     the timed loops are chains either way)."""
     spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
     chains = sorted({min(k, max_chain) for k in (QUICK_CHAINS if quick else TIMED_CHAINS)})
-    budget = {"repeats": QUICK_REPEATS, "min_time_s": 0.0, "max_repeats": QUICK_REPEATS} if quick else {}
+    budget = {"repeats": QUICK_REPEATS, "min_time_s": 0.0, "max_repeats": QUICK_REPEATS,
+              "max_new_tokens": min(QUICK_TIMING_TOKENS, run["max_new_tokens"])} if quick else {}
     # The first "auto" call for a batch bucket compiles and times a dozen loops (tens of seconds on a CPU): say so.
     with tqdm(total=1 if timed else 3, desc=f"specjax auto (batch {batch}): calibrating acceptance", leave=False,
               file=sys.stderr) as bar:
@@ -187,7 +193,7 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
         if timed is None:
             bar.set_description(f"specjax auto (batch {batch}): timing chains {','.join(map(str, chains))} and plain")
             # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
-            times = run_times(target, drafter, prompts, chains, **run, **budget)
+            times = run_times(target, drafter, prompts, chains, **{**run, **budget})
             bar.update()
             bar.set_description(f"specjax auto (batch {batch}): timing verify passes and drafting")
             base = pass_costs(target, drafter, batch, context)
@@ -199,7 +205,8 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
                              "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
                             base, with_loop_times(base, times, batch), times.prefill_s, times,
-                            None if timed is None else timed.retimed_from, quick=quick if timed is None else timed.quick)
+                            None if timed is None else timed.retimed_from,
+                            quick=quick if timed is None else timed.quick)
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,
