@@ -252,6 +252,30 @@ def test_readme_says_what_identical_means():
     assert "token for token for greedy rows" in readme
 
 
+# ---------------------------------------------------------------- specjax plan: quick by default
+
+
+def test_plan_measures_quickly_by_default(t, draft, monkeypatch, capsys):
+    """`specjax plan` (no --device) measures with a bounded budget: chains QUICK_CHAINS timed QUICK_REPEATS rounds,
+    never timed again (a gain inside the noise is reported as undecided); --full is generate(..., "auto")'s."""
+    from specjax.cli import build_parser
+    from specjax.planning import advisor, auto
+
+    monkeypatch.setattr(auto, "_retimed", lambda *a, **k: pytest.fail("a quick measurement is never timed again"))
+    monkeypatch.setenv("SPECJAX_PROFILE", "roofline")  # pass costs by roofline: the loops' timing is what is tested
+    args = build_parser().parse_args(["plan", "--drafter", "d", "--concurrency", "1", "--tokens", "8"])
+    assert not args.full
+    report = {}
+    assert advisor.plan_measured(args, t, draft, [1], report) == 0
+    assert "quickly" in capsys.readouterr().out
+    row = report["choices"][0]
+    assert row["quick"] and isinstance(row["undecided"], bool) and row["measure_s"] > 0
+    measured = next(m for (d, b, *_), m in auto._AUTO_PLANS[t].items() if d is draft and b == 1)
+    assert [k for _, k, _ in measured.times.spec_rounds] == list(auto.QUICK_CHAINS)
+    assert len(measured.times.samples) == auto.QUICK_REPEATS
+    assert build_parser().parse_args(["plan", "--drafter", "d", "--full"]).full
+
+
 # ---------------------------------------------------------------- CLI
 
 
