@@ -40,7 +40,8 @@ from specjax.decoding.tree import DynamicTreeSpec, parse_tree
 from specjax.engine import slots as ops
 from specjax.engine.handle import RequestHandle, RequestOutput
 from specjax.engine.policy import OFF, LoadPolicy
-from specjax.generate import OPTIONS, _options, _sampling
+from specjax.decoding.params import SamplingParams, merged
+from specjax.generate import _options, _sampling
 from specjax.models.sharding import axis_size, use_mesh
 from specjax.models.target import Target
 from specjax.multihost import agreed
@@ -51,7 +52,7 @@ STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count
 CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS
 MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
-SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id", *OPTIONS)
+SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's settings: SamplingParams' fields
 LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
 
 
@@ -281,23 +282,22 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt, settings: dict) -> _Active:
-        unknown = sorted(set(settings) - set(SETTINGS))
+        """One request checked alone (specjax.SamplingParams' rules, then what this engine can run)."""
+        settings = dict(settings)
+        sampling_params = settings.pop("sampling_params", None)
+        chat_template_kwargs = settings.pop("chat_template_kwargs", None)
+        unknown = sorted(set(settings) - SETTINGS)
         if unknown:
-            raise TypeError(f"submit() got unexpected keyword argument(s) {unknown}; its settings are {list(SETTINGS)}")
-        o = {**OPTIONS, **{k: settings[k] for k in OPTIONS if k in settings}}
-        max_new = settings.get("max_new_tokens", 128)
-        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
+            raise TypeError(f"submit() got unexpected keyword argument(s) {unknown}; its settings are "
+                            f"{sorted(SETTINGS)}, chat_template_kwargs and sampling_params")
+        if "seed" not in settings and (sampling_params is None or sampling_params.seed == 0):
+            settings["seed"] = None  # a fresh seed per request (generate's default of 0 would give all the same)
         t = self.target
-        sampling = _sampling(t, settings.get("temperature"), settings.get("top_k"), settings.get("top_p"), o["min_p"])
-        options = _options(t, o)
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            prompts = [prompt]
-        else:
-            prompts = [list(prompt)]
-        prompts = render_prompts(t, prompts, o["chat_template_kwargs"])
-        req = prepare(t, prompts, int(max_new), sampling, settings.get("eos_token_id"), None, settings.get("seed"),
-                      options=options)
+        params = merged(sampling_params, settings).validate(t.cfg.vocab_size, n_prompts=1)
+        sampling, options = _sampling(t, params), _options(t, params)
+        max_new = params.max_new_tokens
+        prompts = render_prompts(t, [prompt], chat_template_kwargs)
+        req = prepare(t, prompts, max_new, sampling, params.eos_token_id, None, params.seed, options=options)
         ids = req.ids[0]
         if len(ids) + max_new > self.max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
@@ -314,7 +314,7 @@ class Engine:
             raise ValueError(f"top_logprobs={options.logprobs} asked, but this engine computes {cap}")
         if len(req.stop_ids) > STOP_IDS:
             raise ValueError(f"{len(req.stop_ids)} stop token ids (EOS included); the engine takes at most {STOP_IDS}")
-        text = RowText(t, options.stop, options.include_stop_str_in_output, options.skip_special_tokens,
+        text = RowText(t, options.row_stops(1)[0], options.include_stop_str_in_output, options.skip_special_tokens,
                        options.penalties.min_tokens)
         return _Active(RequestHandle(next(self._ids)), ids, req, text, time.perf_counter())
 
@@ -595,7 +595,7 @@ class Engine:
         if finished:
             reason, stop = finish_reason(a.text.tokens, a.text.stop_reason, a.req.stop_ids)
         if tokens or text or finished:
-            a.handle._push(StreamChunk(0, tokens, text, reason, *_chunk_extras(lp, tops, stop)))
+            a.handle._push(StreamChunk(0, tokens, text, reason, lp, tops, stop))
         if finished:
             a.stats_row = (int(stats.rounds_B[slot]), int(stats.emitted_B[slot]), int(stats.accepted_B[slot]))
             self._finish(a, reason, stop)
@@ -930,14 +930,6 @@ def _device_copy(x: np.ndarray) -> jax.Array:
     dispatched now runs later, after the host has changed these mirrors for the next chunk (a freed slot's budget set
     to 0 would end the row it still holds)."""
     return jnp.asarray(np.array(x, copy=True))
-
-
-def _chunk_extras(logprobs, top, stop) -> tuple:
-    fields = {f.name for f in dataclasses.fields(StreamChunk)}
-    extras = []
-    if "logprobs" in fields:
-        extras += [logprobs, top, stop] if "stop_reason" in fields else [logprobs, top]
-    return tuple(extras)
 
 
 from specjax.config import PenaltyConfig  # noqa: E402
