@@ -174,8 +174,10 @@ def test_bad_requests_are_refused_alone_and_async_works(target):
             with pytest.raises(ValueError, match=words):
                 engine.submit(args[0], **kw)
         with pytest.raises(TypeError, match="unexpected keyword"):
-            engine.submit([1, 2], max_tokens=3)
-        h = engine.submit("def f(x):", max_new_tokens=8)
+            engine.submit([1, 2], best_of=3)
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit([1, 2], max_new_tokens=2, temperature=float("nan"))
+        h = engine.submit("def f(x):", sampling_params=specjax.SamplingParams(max_tokens=8))
         out = asyncio.run(_await(h))
         assert out.tokens == specjax.generate(target, ["def f(x):"], max_new_tokens=8).tokens[0]
         with pytest.raises(RuntimeError, match="idle"):
