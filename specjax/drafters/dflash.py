@@ -62,8 +62,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.decoding.drafter import PrefillContext, Settings, require_chain
-from specjax.decoding.tree import spec_arrays
+from specjax.decoding.block_tree import BlockTree, build_block_tree, levels, per_depth_children
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import DynamicTreeSpec, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache, write_layer
 from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
@@ -288,14 +289,37 @@ def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, 
     return params
 
 
-def require_block_chain(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
-    """A block drafter proposes a chain of at most one block's drafts: refuse a tree or a longer chain, saying why."""
-    require_chain(family.lower(), settings)
-    k = settings.tree.num_nodes - 1
+def require_block_shape(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
+    """A block drafter proposes a chain of at most one block's drafts, or a one-pass dynamic tree whose paths fit in
+    the block (decoding/block_tree.py); refuse anything else (a static tree, a longer chain), saying why."""
+    tree = settings.tree
+    if isinstance(tree, DynamicTreeSpec):
+        if levels(tree) > max_draft_tokens:
+            raise ValueError(f"tree {tree} reaches depth {levels(tree)} (depth + 1), more than one {family} block "
+                             f"gives: block_size {block_size} drafts at most {max_draft_tokens} tokens per round; "
+                             f"pass depth <= {max_draft_tokens - 1}")
+        return
+    if not tree.is_chain:
+        raise ValueError(f"the {family.lower()} drafter proposes chains or one-pass dynamic trees only; pass "
+                         f"num_draft_tokens=K or tree='dynamic:top_k=K,depth=D,total_tokens=T', not a static tree")
+    k = tree.num_nodes - 1
     if k > max_draft_tokens:
         raise ValueError(f"num_draft_tokens={k} is more than one {family} block gives: block_size {block_size} "
                          f"drafts at most {max_draft_tokens} tokens per round; pass num_draft_tokens <= "
                          f"{max_draft_tokens}")
+
+
+def block_draft(tree: BlockTree, node_logits_BNV: jax.Array | None) -> Draft:
+    """A block drafter's one-pass tree as a deterministic Draft (q None): confidence = exp(cumulative log-prob),
+    the drafter's own P(whole path accepted) proxy; logits, when recorded, those each node was chosen from."""
+    return Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_),
+                 confidence=jnp.exp(tree.scores), logits=node_logits_BNV)
+
+
+def depth_logits(logits_BLV: jax.Array, depths_BN: jax.Array) -> jax.Array:
+    """[B, N, V]: each node's depth's logits (row d - 1 of logits_BLV for depth d), zeros for the root."""
+    node_BNV = jnp.take_along_axis(logits_BLV, jnp.maximum(depths_BN - 1, 0)[:, :, None], axis=1)
+    return jnp.where((depths_BN == 0)[:, :, None], 0.0, node_BNV)
 
 
 # ---- the drafter: chains -----------------------------------------------------------------------------------
@@ -349,7 +373,7 @@ class DFlashDrafter:
         return self.cfg.block_size - 1
 
     def configure(self, settings: Settings) -> "DFlashDrafter":
-        require_block_chain("DFlash", settings, self.cfg.block_size, self.max_draft_tokens)
+        require_block_shape("DFlash", settings, self.cfg.block_size, self.max_draft_tokens)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -359,12 +383,18 @@ class DFlashDrafter:
         return backbone(self.cfg, params).context_after_prefill(ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
-        del keys_B, sampling  # argmax drafts under any sampling
-        k = self.settings.tree.num_nodes - 1
+        del keys_B, sampling  # argmax drafts (or top-k trees) under any sampling
+        spec = self.settings.tree
         b = root_B.shape[0]
         vocab = tables(self.cfg, params)
         h_BKH, cache = backbone(self.cfg, params).block_hidden(vocab.block_embeddings(root_B), state,
                                                                attn_impl=self.attn_impl)
+        if isinstance(spec, DynamicTreeSpec):  # JetSpec's tree from the per-depth distributions of one pass
+            logits_BLV = vocab.logits(h_BKH[:, 1:levels(spec) + 1])  # row d predicts depth d
+            tree = build_block_tree(spec, root_B, per_depth_children(jax.nn.log_softmax(logits_BLV, -1), spec.top_k))
+            record = depth_logits(logits_BLV, tree.depths) if self.settings.record_logits else None
+            return block_draft(tree, record), cache
+        k = spec.num_nodes - 1
         logits_BkV = vocab.logits(h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
         drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)
         prob_Bk = jnp.take_along_axis(jax.nn.softmax(logits_BkV, axis=-1), drafts_Bk[:, :, None], axis=-1)[..., 0]
@@ -373,7 +403,7 @@ class DFlashDrafter:
         logits = None
         if self.settings.record_logits:
             logits = jnp.concatenate([jnp.zeros_like(logits_BkV[:, :1]), logits_BkV], axis=1)
-        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+        draft = Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_),
                       confidence=confidence_BN, logits=logits)
         return draft, cache
 
