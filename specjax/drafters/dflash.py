@@ -11,7 +11,7 @@ embedded with the target's own table. Each of the drafter's L decoder layers (Qw
 q/k RMSNorm per head, rotate-half RoPE, SwiGLU MLP) runs the block rows as usual
 (input_layernorm, q/k/v), but its keys and values are the context rows 0..P-1 followed by the
 block rows, and there is no causal mask: every block row sees the whole context and the whole
-block. The context rows are projected by every layer with that layer's own wk / wv, k_norm and
+block (a `causal_head` drafter, JetSpec's, masks the block causally: row i sees block rows 0..i). The context rows are projected by every layer with that layer's own wk / wv, k_norm and
 RoPE at the context token's own position, with no input_layernorm (c_p is already normed), and
 the same c_p feeds every layer. After the last layer the final norm, then the target's lm_head:
 
@@ -83,12 +83,15 @@ class BlockConfig:
         see `feature_layers` for specjax's (HF) numbering.
     block_size: rows per block, the anchor included (K - 1 drafts per pass at most).
     mask_token_id: the token whose embedding fills rows 1..K-1.
+    causal: `dflash_config.causal_head` (JetSpec's heads): block row i attends to block rows 0..i only (and the
+        whole context); False: every block row sees the whole block (z-lab's DFlash, DSpark).
     """
 
     layers: ModelConfig
     target_layer_ids: tuple[int, ...]
     block_size: int
     mask_token_id: int
+    causal: bool = False
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -174,7 +177,8 @@ class BlockBackbone(nnx.Module):
         """The block's hidden states after the final norm [B, K, H], and the cache with the block's K/V written.
 
         The K block rows sit at positions start_B .. start_B + K - 1 (start defaults to `lengths`) and
-        attend, with no causal mask, to the cached context rows [0, start) and to all K block rows.
+        attend to the cached context rows [0, start) and to all K block rows (a causal head, `cfg.causal`: to
+        block rows 0..i only, as JetSpec's `_build_dflash_causal_attention_mask`).
         The block's K/V land at cache rows start .. start + K - 1, after the context; `lengths` are
         unchanged (block rows are never committed). Row k's logits (lm_head of row k) predict the token
         at start + k (DFlash reads rows 1..K-1; DSpark, whose row 0 is already a guess, reads them all).
@@ -184,11 +188,13 @@ class BlockBackbone(nnx.Module):
         if start_B is None:
             start_B = cache.lengths
         positions_BK = start_B[:, None] + jnp.arange(k_rows, dtype=jnp.int32)[None, :]
-        everything_BKK = jnp.ones((b, k_rows, k_rows), jnp.bool_)
+        block_mask_KK = jnp.tril(jnp.ones((k_rows, k_rows), jnp.bool_)) if self.cfg.causal else \
+            jnp.ones((k_rows, k_rows), jnp.bool_)
+        block_mask_BKK = jnp.broadcast_to(block_mask_KK, (b, k_rows, k_rows))
         inv_freq = rope_inv_freq(lc.rope, lc.head_dim)
 
         def layer_fn(layer, i, idx, h_BKH, k_cache, v_cache, extra):
-            h_BKH, k_cache, v_cache = layer(h_BKH, k_cache, v_cache, idx, start_B, positions_BK, everything_BKK,
+            h_BKH, k_cache, v_cache = layer(h_BKH, k_cache, v_cache, idx, start_B, positions_BK, block_mask_BKK,
                                             inv_freq, attn_impl)
             return h_BKH, k_cache, v_cache, extra
 
