@@ -1,0 +1,56 @@
+"""One-pass block trees (decoding/block_tree.py) where children depend on their parent (DSpark's Markov step).
+
+JetSpec's own code is the reference for per-depth children (tests/test_jetspec.py); its heap assumes them.
+Here each node's children come from a table indexed by (depth, parent token), and the jit-friendly beam must
+still pick what a best-first heap over that tree picks (same expansion rule as JetSpec's `_build_from_topk`).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decoding.block_tree import build_block_tree, levels
+from specjax.decoding.tree import DynamicTreeSpec
+
+V = 12
+
+
+def heap_tree(root: int, lp_LVV: np.ndarray, k: int, budget: int, n_levels: int):
+    """Best-first expansion: pop the best node, add its top-k children (per its own token), until budget nodes."""
+    tokens, parents, depths, scores = [root], [-1], [0], [0.0]
+    heap, counter = [(0.0, 0, 0)], 0
+    while heap and len(tokens) < budget:
+        neg, _, i = heapq.heappop(heap)
+        if depths[i] >= n_levels:
+            continue
+        row = lp_LVV[depths[i], tokens[i]]
+        for j in np.argsort(-row, kind="stable")[:min(k, budget - len(tokens))]:
+            counter += 1
+            heapq.heappush(heap, (neg - row[j], counter, len(tokens)))
+            tokens.append(int(j)), parents.append(i), depths.append(depths[i] + 1), scores.append(-neg + row[j])
+    return tokens, parents, depths, scores
+
+
+@pytest.mark.parametrize("k, depth, total", [(3, 3, 20), (2, 4, 19), (4, 2, 30), (1, 3, 5)])
+def test_parent_conditioned_children_match_a_best_first_heap(k, depth, total):
+    spec = DynamicTreeSpec(k, depth, total)
+    n_levels = levels(spec)
+    lp_BLVV = jax.nn.log_softmax(2.0 * jax.random.normal(jax.random.key(k * 100 + depth), (2, n_levels, V, V)), -1)
+
+    def children(level, parents_BE):
+        table_BVV = jax.lax.dynamic_index_in_dim(lp_BLVV, level, axis=1, keepdims=False)
+        rows_BEV = jnp.take_along_axis(table_BVV, parents_BE[:, :, None], axis=1)
+        return jax.lax.top_k(rows_BEV, k)
+
+    tree = jax.jit(lambda r: build_block_tree(spec, r, children))(jnp.array([3, 7]))
+    for b, root in enumerate((3, 7)):
+        tokens, parents, depths, scores = heap_tree(root, np.asarray(lp_BLVV[b]), k, total, n_levels)
+        np.testing.assert_array_equal(tree.tokens[b], tokens)
+        np.testing.assert_array_equal(tree.parents[b], parents)
+        np.testing.assert_array_equal(tree.depths[b], depths)
+        np.testing.assert_allclose(tree.scores[b], scores, atol=1e-5)
