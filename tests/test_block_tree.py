@@ -54,3 +54,23 @@ def test_parent_conditioned_children_match_a_best_first_heap(k, depth, total):
         np.testing.assert_array_equal(tree.parents[b], parents)
         np.testing.assert_array_equal(tree.depths[b], depths)
         np.testing.assert_allclose(tree.scores[b], scores, atol=1e-5)
+
+
+def test_a_256_node_block_tree_verifies_with_the_pallas_kernel_as_with_xla():
+    """JetSpec's budget (K 7, 15 depths, 256 nodes): the tree's ancestor mask through the Pallas tree-attention
+    kernel (interpret mode on CPU, compiled on a GPU) equals the XLA reference."""
+    from specjax.decoding.block_tree import per_depth_children
+    from specjax.decoding.tree import ancestor_mask
+    from specjax.kernels import tree_attention, tree_attention_reference
+
+    spec = DynamicTreeSpec(top_k=7, depth=14, total_tokens=256)
+    lp_BLV = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (1, levels(spec), 64)), -1)
+    tree = build_block_tree(spec, jnp.array([1]), per_depth_children(lp_BLV, 7))
+    mask_BNN = ancestor_mask(tree.parents)
+    assert int(tree.depths.max()) > 3 and mask_BNN.shape == (1, 256, 256)
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (1, 256, 2, 16))
+    k, v = jax.random.normal(kk, (1, 288, 1, 16)), jax.random.normal(kv, (1, 288, 1, 16))
+    lengths = jnp.array([29], jnp.int32)
+    out = tree_attention(q, k, v, lengths, mask_BNN, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_allclose(out, tree_attention_reference(q, k, v, lengths, mask_BNN), atol=1e-5, rtol=1e-5)
