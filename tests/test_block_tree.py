@@ -74,3 +74,36 @@ def test_a_256_node_block_tree_verifies_with_the_pallas_kernel_as_with_xla():
     lengths = jnp.array([29], jnp.int32)
     out = tree_attention(q, k, v, lengths, mask_BNN, interpret=jax.default_backend() != "gpu")
     np.testing.assert_allclose(out, tree_attention_reference(q, k, v, lengths, mask_BNN), atol=1e-5, rtol=1e-5)
+
+
+# ---- pricing (planning/block_trees.py) -------------------------------------------------------------------------
+
+
+def test_expected_template_is_the_best_first_tree_on_acceptance():
+    from specjax.planning.block_trees import caterpillar, expected_template
+    from specjax.planning.planner import expected_tau
+
+    p_DR = np.array([[0.8, 0.1], [0.5, 0.3]])
+    # Root's 2 children (reach .8, .1); expand .8: children .4, .24; then .4 (depth 2 = the last level: not
+    # expanded... it is depth 2 of 2 levels), so the next pop with depth < 2 is .1: its children .05, .03.
+    tree = expected_template(DynamicTreeSpec(2, 1, 7), p_DR)
+    assert tree.parents == (-1, 0, 0, 1, 1, 2, 2)
+    assert expected_tau(tree, p_DR) == pytest.approx(1 + .8 + .1 + .4 + .24 + .05 + .03)
+    assert caterpillar(2, 3).parents == (-1, 0, 0, 1, 1, 3, 3)
+
+
+def test_one_pass_trees_grow_at_light_load_and_give_way_under_load():
+    """A roofline-shaped verify cost (flat until batch x nodes passes a knee, then linear): the planner picks a
+    wide tree of JetSpec's budget at batch 1, smaller ones as the batch grows, and a short chain beats them all at
+    batch 64."""
+    from specjax.planning.block_trees import best_block_tree
+    from specjax.planning.planner import plan
+
+    p_DR = np.array([[0.7, 0.12, 0.05, 0.03]] * 15)
+    verify_s = lambda b, n: 1e-3 * max(1.0, b * n / 256)  # noqa: E731
+    draft_s = lambda b, d: 2e-4 * max(1.0, b / 16)  # noqa: E731
+    trees = [best_block_tree(p_DR, b, verify_s, draft_s) for b in (1, 4, 16, 64)]
+    assert [t.shape.nodes for t in trees] == [256, 64, 16, 8]  # JetSpec's budget alone, then shrinking
+    assert trees[0].shape.spec.top_k == 7 and trees[0].speedup > 4
+    chain_under_load = plan(p_DR[0], [64], verify_s, draft_s, tree_ok=False, max_chain=15)[0].best
+    assert chain_under_load.shape.label == "chain:3" and chain_under_load.speedup > trees[-1].speedup

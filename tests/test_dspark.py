@@ -296,14 +296,15 @@ def test_greedy_equals_plain_decoding_with_eos_mid_block(bigram_pair, prompts, p
     assert out.tokens == want and want[1][-1] == eos and len(want[1]) < 23
 
 
-@pytest.mark.parametrize("tree_markov", ["parent", "chain"])
-def test_greedy_equals_plain_decoding_with_one_pass_trees(bigram_pair, prompts, plain, tree_markov):
+@pytest.mark.parametrize("tree_markov, tree", [("parent", "dynamic:top_k=3,depth=3,total_tokens=16"),
+                                               ("chain", "dynamic:top_k=3,depth=3,total_tokens=16"),
+                                               ("parent", "kary:2,2,1")])
+def test_greedy_equals_plain_decoding_with_one_pass_trees(bigram_pair, prompts, plain, tree_markov, tree):
     """A one-pass tree whose children lean on their own parent's token (the Markov step per node) or on the greedy
     chain's (per depth): plain decoding's tokens either way, one backbone pass a round."""
     target, drafter = bigram_pair
     drafter = dataclasses.replace(drafter, tree_markov=tree_markov)
-    out = specjax.generate(target, prompts, max_new_tokens=23, eos_token_id=[], drafter=drafter,
-                           tree="dynamic:top_k=3,depth=3,total_tokens=16")
+    out = specjax.generate(target, prompts, max_new_tokens=23, eos_token_id=[], drafter=drafter, tree=tree)
     assert out.tokens == plain.tokens
     assert out.stats["acceptance_length"] > 1.5 and out.stats["drafter_calls"] == out.stats["rounds"]
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.decoding.tree import DynamicTreeSpec
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks
 
 # children(level, parent_tokens_BE) -> (child log-probabilities [B, E, K] in decreasing order, child tokens [B, E, K])
 # for nodes at depth `level` (a traced int32); the children sit at depth level + 1.
@@ -144,3 +144,21 @@ def build_block_tree(spec: DynamicTreeSpec, root_B: jax.Array, children: Childre
         scores=with_root(0.0, child_score_BM),
         depths=with_root(0, child_depth_BM),
     )
+
+
+def static_block_tree(spec: TreeSpec, root_B: jax.Array, children: ChildrenFn) -> jax.Array:
+    """int32 [B, N]: a static template's tokens from one block pass: node i is its parent's rank-r child (r its rank
+    among its siblings), level by level (a parent's token is known before its children's). The chain is the
+    rank-0 spine; `calibration` uses such templates to measure per-depth, per-rank acceptance."""
+    ranks, depths = child_ranks(spec), spec.depths
+    width = max(ranks) + 1
+    tokens = {0: root_B.astype(jnp.int32)}
+    for d in range(1, spec.max_depth + 1):
+        level = [i for i in range(spec.num_nodes) if depths[i] == d]
+        parents_BM = jnp.stack([tokens[spec.parents[i]] for i in level], axis=1)
+        _, tok_BMW = children(jnp.int32(d - 1), parents_BM)
+        if tok_BMW.shape[-1] < width:
+            raise ValueError(f"tree {spec.parents} gives a node {width} children; the drafter scored {tok_BMW.shape[-1]}")
+        for m, i in enumerate(level):
+            tokens[i] = tok_BMW[:, m, ranks[i]]
+    return jnp.stack([tokens[i] for i in range(spec.num_nodes)], axis=1)

@@ -62,9 +62,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.decoding.block_tree import BlockTree, build_block_tree, levels, per_depth_children
+from specjax.decoding.block_tree import BlockTree, build_block_tree, levels, per_depth_children, static_block_tree
 from specjax.decoding.drafter import PrefillContext, Settings
-from specjax.decoding.tree import DynamicTreeSpec, spec_arrays
+from specjax.decoding.tree import DynamicTreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache, write_layer
 from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
@@ -296,8 +296,8 @@ def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, 
 
 
 def require_block_shape(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
-    """A block drafter proposes a chain of at most one block's drafts, or a one-pass dynamic tree whose paths fit in
-    the block (decoding/block_tree.py); refuse anything else (a static tree, a longer chain), saying why."""
+    """A block drafter drafts from one block pass: a chain, a static tree or a one-pass dynamic tree
+    (decoding/block_tree.py) whose paths fit in the block; refuse a deeper shape, saying what would fit."""
     tree = settings.tree
     if isinstance(tree, DynamicTreeSpec):
         if levels(tree) > max_draft_tokens:
@@ -305,14 +305,11 @@ def require_block_shape(family: str, settings: Settings, block_size: int, max_dr
                              f"gives: block_size {block_size} drafts at most {max_draft_tokens} tokens per round; "
                              f"pass depth <= {max_draft_tokens - 1}")
         return
-    if not tree.is_chain:
-        raise ValueError(f"the {family.lower()} drafter proposes chains or one-pass dynamic trees only; pass "
-                         f"num_draft_tokens=K or tree='dynamic:top_k=K,depth=D,total_tokens=T', not a static tree")
-    k = tree.num_nodes - 1
-    if k > max_draft_tokens:
-        raise ValueError(f"num_draft_tokens={k} is more than one {family} block gives: block_size {block_size} "
-                         f"drafts at most {max_draft_tokens} tokens per round; pass num_draft_tokens <= "
-                         f"{max_draft_tokens}")
+    if tree.max_depth > max_draft_tokens:
+        what = f"num_draft_tokens={tree.max_depth}" if tree.is_chain else f"a tree {tree.max_depth} deep"
+        raise ValueError(f"{what} is more than one {family} block gives: block_size {block_size} drafts at most "
+                         f"{max_draft_tokens} tokens per round; pass num_draft_tokens <= {max_draft_tokens} "
+                         f"(or a tree at most that deep)")
 
 
 def block_draft(tree: BlockTree, node_logits_BNV: jax.Array | None) -> Draft:
@@ -320,6 +317,14 @@ def block_draft(tree: BlockTree, node_logits_BNV: jax.Array | None) -> Draft:
     the drafter's own P(whole path accepted) proxy; logits, when recorded, those each node was chosen from."""
     return Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_),
                  confidence=jnp.exp(tree.scores), logits=node_logits_BNV)
+
+
+def static_draft(spec, tokens_BN: jax.Array, logits_BLV: jax.Array, record: bool) -> Draft:
+    """A static template's deterministic Draft; recorded logits: each node's depth's (a per-depth drafter's)."""
+    b = tokens_BN.shape[0]
+    depths_BN = jnp.broadcast_to(jnp.asarray(spec.depths, jnp.int32), tokens_BN.shape)
+    return Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+                 logits=depth_logits(logits_BLV, depths_BN) if record else None)
 
 
 def depth_logits(logits_BLV: jax.Array, depths_BN: jax.Array) -> jax.Array:
@@ -352,6 +357,7 @@ class DFlashDrafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "dflash"
+    one_pass_trees = True  # a whole tree from one block pass: "auto" prices trees as such (planning/block_trees.py)
 
     @property
     def model(self) -> BlockBackbone:
@@ -400,6 +406,11 @@ class DFlashDrafter:
             tree = build_block_tree(spec, root_B, per_depth_children(jax.nn.log_softmax(logits_BLV, -1), spec.top_k))
             record = depth_logits(logits_BLV, tree.depths) if self.settings.record_logits else None
             return block_draft(tree, record), cache
+        if not spec.is_chain:  # a static template: each node its parent's rank-r child at its depth
+            logits_BLV = vocab.logits(h_BKH[:, 1:spec.max_depth + 1])
+            children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), max(child_ranks(spec)) + 1)
+            return static_draft(spec, static_block_tree(spec, root_B, children), logits_BLV,
+                                self.settings.record_logits), cache
         k = spec.num_nodes - 1
         logits_BkV = vocab.logits(h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
         drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)
