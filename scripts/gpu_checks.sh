@@ -5,13 +5,15 @@
 #                                  against nodes with the MTP layer's drafting, speculative decoding
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
+#   scripts/gpu_checks.sh blocktrees  one-pass block trees (DFlash/DSpark, JetSpec's construction): the compiled
+#                                  kernel on a 256-node tree, the parity tests, the tiny heads' trees vs chains
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 525 s
-# (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s), the blocktrees part's to 565 s
+# (9 min 25 s) and the tp part's to 525 s (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -61,6 +63,15 @@ step profile_moe timeout 190 python scripts/profile_preset.py --preset qwen3_30b
 step bench_moe_paths timeout 120 python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 \
     --tokens 1,2,8,32,128,512,4096 --out "$out/bench_moe_paths.json"
 step moe_gpu_tests timeout 40 python -m pytest -q tests/test_gpu_path.py -k moe
+elif [ "${1:-}" = "blocktrees" ]; then
+# B1. One-pass block trees on the GPU: the 256-node tree's mask through the compiled Pallas kernel against XLA,
+#     JetSpec's fixtures (head forward, tree, accepted path), and the trees' greedy equality with plain decoding.
+step block_tree_tests timeout 150 python -m pytest -q tests/test_block_tree.py tests/test_jetspec.py \
+    tests/test_dflash.py -k "block_tree or jetspec or one_pass or heap or template or load"
+# B2. The embedded DFlash / DSpark heads: chains vs trees of 15, 63, 255 drafts at B = 1, 8, 32 (tau, tokens/s,
+#     outputs equal to plain decoding) and the planner's pick per batch on this GPU's roofline.
+step bench_block_trees timeout 400 python scripts/bench_block_trees.py --batches 1,8,32 \
+    --out "$out/block_trees.json"
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
 #     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's
