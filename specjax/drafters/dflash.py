@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,9 +62,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.decoding.block_tree import BlockTree, build_block_tree, levels, per_depth_children, static_block_tree
+from specjax.decoding.block_tree import ChildrenFn, build_block_tree, levels, per_depth_children, static_block_tree
 from specjax.decoding.drafter import PrefillContext, Settings
-from specjax.decoding.tree import DynamicTreeSpec, child_ranks, spec_arrays
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache, write_layer
 from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
@@ -312,25 +312,35 @@ def require_block_shape(family: str, settings: Settings, block_size: int, max_dr
                          f"(or a tree at most that deep)")
 
 
-def block_draft(tree: BlockTree, node_logits_BNV: jax.Array | None) -> Draft:
-    """A block drafter's one-pass tree as a deterministic Draft (q None): confidence = exp(cumulative log-prob),
-    the drafter's own P(whole path accepted) proxy; logits, when recorded, those each node was chosen from."""
-    return Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_),
-                 confidence=jnp.exp(tree.scores), logits=node_logits_BNV)
+def one_pass_draft(spec: TreeSpec | DynamicTreeSpec, root_B: jax.Array, children: ChildrenFn,
+                   node_logits: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None) -> Draft:
+    """A block drafter's tree from one pass, as a deterministic Draft (q None): JetSpec's dynamic tree
+    (`build_block_tree`; confidence = exp(cumulative log-probability), the drafter's P(path accepted) proxy) or a
+    static template (`static_block_tree`). node_logits(tokens, parents, depths) -> [B, N, V], the logits each node
+    was chosen from (inspect_draft), or None."""
+    if isinstance(spec, DynamicTreeSpec):
+        tree = build_block_tree(spec, root_B, children)
+        tokens_BN, parents_BN, depths_BN, confidence_BN = tree.tokens, tree.parents, tree.depths, jnp.exp(tree.scores)
+    else:
+        tokens_BN = static_block_tree(spec, root_B, children)
+        parents_BN = spec_arrays(spec, root_B.shape[0])
+        depths_BN = jnp.broadcast_to(jnp.asarray(spec.depths, jnp.int32), tokens_BN.shape)
+        confidence_BN = None
+    logits_BNV = None
+    if node_logits is not None:
+        logits_BNV = jnp.where((depths_BN == 0)[:, :, None], 0.0, node_logits(tokens_BN, parents_BN, depths_BN))
+    return Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_), confidence=confidence_BN,
+                 logits=logits_BNV)
 
 
-def static_draft(spec, tokens_BN: jax.Array, logits_BLV: jax.Array, record: bool) -> Draft:
-    """A static template's deterministic Draft; recorded logits: each node's depth's (a per-depth drafter's)."""
-    b = tokens_BN.shape[0]
-    depths_BN = jnp.broadcast_to(jnp.asarray(spec.depths, jnp.int32), tokens_BN.shape)
-    return Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_),
-                 logits=depth_logits(logits_BLV, depths_BN) if record else None)
+def tree_width(spec: TreeSpec | DynamicTreeSpec) -> int:
+    """Children a node may get: top_k, or a static template's most."""
+    return spec.top_k if isinstance(spec, DynamicTreeSpec) else max(child_ranks(spec)) + 1
 
 
 def depth_logits(logits_BLV: jax.Array, depths_BN: jax.Array) -> jax.Array:
-    """[B, N, V]: each node's depth's logits (row d - 1 of logits_BLV for depth d), zeros for the root."""
-    node_BNV = jnp.take_along_axis(logits_BLV, jnp.maximum(depths_BN - 1, 0)[:, :, None], axis=1)
-    return jnp.where((depths_BN == 0)[:, :, None], 0.0, node_BNV)
+    """[B, N, V]: each node's depth's logits (row d - 1 of logits_BLV for depth d; the root's row is depth 1's)."""
+    return jnp.take_along_axis(logits_BLV, jnp.maximum(depths_BN - 1, 0)[:, :, None], axis=1)
 
 
 # ---- the drafter: chains -----------------------------------------------------------------------------------
@@ -401,16 +411,11 @@ class DFlashDrafter:
         vocab = tables(self.cfg, params)
         h_BKH, cache = backbone(self.cfg, params).block_hidden(vocab.block_embeddings(root_B), state,
                                                                attn_impl=self.attn_impl)
-        if isinstance(spec, DynamicTreeSpec):  # JetSpec's tree from the per-depth distributions of one pass
-            logits_BLV = vocab.logits(h_BKH[:, 1:levels(spec) + 1])  # row d predicts depth d
-            tree = build_block_tree(spec, root_B, per_depth_children(jax.nn.log_softmax(logits_BLV, -1), spec.top_k))
-            record = depth_logits(logits_BLV, tree.depths) if self.settings.record_logits else None
-            return block_draft(tree, record), cache
-        if not spec.is_chain:  # a static template: each node its parent's rank-r child at its depth
-            logits_BLV = vocab.logits(h_BKH[:, 1:spec.max_depth + 1])
-            children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), max(child_ranks(spec)) + 1)
-            return static_draft(spec, static_block_tree(spec, root_B, children), logits_BLV,
-                                self.settings.record_logits), cache
+        if not spec.is_chain:  # a tree from the per-depth distributions of the same pass (JetSpec's, or a template)
+            logits_BLV = vocab.logits(h_BKH[:, 1:spec.max_depth + 1])  # row d predicts depth d
+            children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), tree_width(spec))
+            record = (lambda t, p, d: depth_logits(logits_BLV, d)) if self.settings.record_logits else None
+            return one_pass_draft(spec, root_B, children, record), cache
         k = spec.num_nodes - 1
         logits_BkV = vocab.logits(h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
         drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)

@@ -62,11 +62,11 @@ from jax import lax
 
 from specjax.decoding.drafter import PrefillContext, Settings, drafting_values
 from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
-from specjax.decoding.block_tree import ChildrenFn, build_block_tree, levels, per_depth_children, static_block_tree
-from specjax.decoding.tree import DynamicTreeSpec, child_ranks, spec_arrays
+from specjax.decoding.block_tree import ChildrenFn, per_depth_children
+from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.drafters.dflash import (BlockBackbone, BlockConfig, Tables, backbone, block_draft, depth_logits, part,
-                                     require_block_shape, static_draft, tables)
+from specjax.drafters.dflash import (BlockBackbone, BlockConfig, Tables, backbone, depth_logits, one_pass_draft, part,
+                                     require_block_shape, tables, tree_width)
 from specjax.drafters.dflash import init_params as init_block_params
 from specjax.models.cache import KVCache
 from specjax.models.decoder import unstack_layers
@@ -358,11 +358,9 @@ class DSparkDrafter:
         return draft, cache
 
     def _propose_tree(self, net: DSparkNetworks, h_BGH: jax.Array, root_B: jax.Array) -> Draft:
-        """A one-pass tree (decoding/block_tree.py: dynamic, or a static template), deterministic under any sampling:
-        children from each node's own Markov step ("parent") or from the greedy chain's per-depth logits ("chain")."""
-        spec = self.settings.tree
-        dynamic = isinstance(spec, DynamicTreeSpec)
-        width = spec.top_k if dynamic else max(child_ranks(spec)) + 1
+        """A one-pass tree (dynamic, or a static template), deterministic under any sampling: children from each
+        node's own Markov step ("parent") or from the greedy chain's per-depth logits ("chain")."""
+        spec, width = self.settings.tree, tree_width(self.settings.tree)
         u_BLV = net.tables.logits(h_BGH[:, :spec.max_depth])  # row d - 1 predicts depth d
         record = self.settings.record_logits
         if self.tree_markov == "chain":
@@ -370,28 +368,16 @@ class DSparkDrafter:
                                                                                       temperature=0.0))
             _, _, logits_BLV = markov_chain(net.markov, greedy, u_BLV, root_B, None)
             children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), width)
-            if not dynamic:
-                return static_draft(spec, static_block_tree(spec, root_B, children), logits_BLV, record)
-            tree = build_block_tree(spec, root_B, children)
-            return block_draft(tree, depth_logits(logits_BLV, tree.depths) if record else None)
-        children = parent_children(net.markov, u_BLV, width)
-        if dynamic:
-            tree = build_block_tree(spec, root_B, children)
-            tokens_BN, parents_BN, depths_BN = tree.tokens, tree.parents, tree.depths
-        else:
-            tokens_BN = static_block_tree(spec, root_B, children)
-            parents_BN = spec_arrays(spec, root_B.shape[0])
-            depths_BN = jnp.broadcast_to(jnp.asarray(spec.depths, jnp.int32), tokens_BN.shape)
-        logits_BNV = None
-        if record:  # a node's logits: U of its depth biased by its parent's token
+            return one_pass_draft(spec, root_B, children,
+                                  (lambda t, p, d: depth_logits(logits_BLV, d)) if record else None)
+
+        def node_logits(tokens_BN, parents_BN, depths_BN):  # U of the node's depth biased by its parent's token
             parent_tok_BN = jnp.take_along_axis(tokens_BN, jnp.maximum(parents_BN, 0), axis=1)
             u_BNV = depth_logits(u_BLV, depths_BN)
             b, n, v = u_BNV.shape
-            logits_BNV = net.markov(u_BNV.reshape(b * n, v), parent_tok_BN.reshape(b * n)).reshape(b, n, v)
-            logits_BNV = jnp.where((depths_BN == 0)[:, :, None], 0.0, logits_BNV)
-        if dynamic:
-            return block_draft(tree, logits_BNV)
-        return Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_), logits=logits_BNV)
+            return net.markov(u_BNV.reshape(b * n, v), parent_tok_BN.reshape(b * n)).reshape(b, n, v)
+
+        return one_pass_draft(spec, root_B, parent_children(net.markov, u_BLV, width), node_logits if record else None)
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
         return backbone(self.cfg.block, params).context_after_round(state, verdict, features)
