@@ -125,8 +125,11 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
             "margin": margin, "margin_before_retiming": measured.retimed_from,
             "cost": measured.cost.source, "parents": chosen.as_dict()["parents"], "cached": False}
     # Each process of a multi-host job timed its own loops: all of them run the plan process 0 made.
-    decided = agreed_json({"spec": None if chosen.spec is None else str(chosen.spec), "info": info})
-    spec = None if decided["spec"] is None else parse_tree(decided["spec"], None)
+    dynamic = isinstance(chosen.spec, DynamicTreeSpec)  # a block drafter's one-pass tree: its spec string
+    decided = agreed_json({"parents": info["parents"], "dynamic": str(chosen.spec) if dynamic else None, "info": info})
+    spec = None if decided["parents"] is None else TreeSpec(tuple(decided["parents"]))
+    if decided["dynamic"] is not None:
+        spec = parse_tree(decided["dynamic"], None)
     info = decided["info"]
     measured.plans[max_new_tokens] = (spec, info)
     # Measuring and planning (their loops' compiles included): the call's own compile_s is then ~0.
