@@ -141,6 +141,9 @@ def test_the_published_heads_config_layout_is_read():
     assert cfg.causal and cfg.block_size == 16 and cfg.mask_token_id == 248070
     assert cfg.layers.num_layers == 8 and cfg.feature_layers == (2, 11, 20, 29, 38)
     assert cfg.layers.rope.theta == 1e7 and cfg.layers.dtype == "bfloat16"
+    from specjax.convert.export import dflash_hf_config
+
+    assert dflash_config(dflash_hf_config(cfg, 40), target).causal  # exported in JetSpec's key, read back
     with pytest.raises(ValueError, match="causal_head is 'yes'"):
         dflash_config({**hf, "dflash_config": {**hf["dflash_config"], "causal_head": "yes"}}, target)
     with pytest.raises(ValueError, match="HiddenDimAdapter"):
