@@ -8,6 +8,8 @@
 #   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls and whether XLA fuses the
 #                                  dequantization into the GEMM, a random 8B target's decode in bf16 vs FP8 vs INT4,
 #                                  speculation on the FP8 target, the quantized-format tests
+#   scripts/gpu_checks.sh blocktrees  one-pass block trees (DFlash/DSpark, JetSpec's construction): the compiled
+#                                  kernel on a 256-node tree, the parity tests, the tiny heads' trees vs chains
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
@@ -15,8 +17,9 @@
 #   scripts/gpu_checks.sh engine   the engine (continuous batching, speculation following the live load) on a random
 #                                  8B target: replay at 0.6 / 0.9 and a random draft model, concurrency 1..64
 # Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s), the quant part's to 585 s (9 min 45 s)
-# and the tp part's to 525 s (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s), the quant part's to 585 s (9 min 45 s),
+# the blocktrees part's to 565 s (9 min 25 s), the engine part's to 575 s (9 min 35 s) and the tp part's to 525 s
+# (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -75,6 +78,15 @@ step bench_quant_8b timeout 420 python scripts/bench_quant.py --preset 8b --matm
     --formats fp8 int4 --tokens 64 --repeats 3 --spec 3 --hlo --out "$out/bench_quant_8b.json"
 # Q2. The quantized-format parity tests on the GPU (block FP8 end to end, compressed-tensors, AWQ).
 step quant_tests timeout 150 python -m pytest -q tests/test_quantized.py tests/test_quantized_formats.py
+elif [ "${1:-}" = "blocktrees" ]; then
+# B1. One-pass block trees on the GPU: the 256-node tree's mask through the compiled Pallas kernel against XLA,
+#     JetSpec's fixtures (head forward, tree, accepted path), and the trees' greedy equality with plain decoding.
+step block_tree_tests timeout 150 python -m pytest -q tests/test_block_tree.py tests/test_jetspec.py \
+    tests/test_dflash.py -k "block_tree or jetspec or one_pass or heap or template or load"
+# B2. The embedded DFlash / DSpark heads: chains vs trees of 15, 63, 255 drafts at B = 1, 8, 32 (tau, tokens/s,
+#     outputs equal to plain decoding) and the planner's pick per batch on this GPU's roofline.
+step bench_block_trees timeout 400 python scripts/bench_block_trees.py --batches 1,8,32 \
+    --out "$out/block_trees.json"
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
 #     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's
