@@ -23,6 +23,7 @@ RANKS = {
     "planning": 6,    # load-aware shape choice: planner, profile, calibration, "auto", advisor
     "generate": 7,    # specjax.generate
     "bench": 8, "train": 8,
+    "aot": 8,         # deviceless compilation of the production graphs for H100/H200 (specjax compile)
     "demo": 9, "cli": 9, "__init__": 9,
 }
 
