@@ -64,7 +64,7 @@ def test_the_kernel_sweep_compiles_for_h100(h100):
     assert [r for r in records if "error" in r] == []
     assert all(r["pallas_kernels"] == {"tree_attention": 1} for r in records)
     assert not h100.on_gpu and "H100" in h100.device_kind
-    assert "kernel/d256/g4/n16/s2048/b8/fp32" in format_table(records)
+    assert "kernel/d64/g4/n16/s2048/b64/fp32" in format_table(records)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,20 @@ def test_the_memory_plan_matches_the_compiler_within_10_percent(loops):
 
 
 @needs_plugin
-def test_the_command_reports_and_fails_on_nothing(capsys):
-    args = argparse.Namespace(device="h100", topology="1x1x1", preset=[], batch=[1], drafts=None, kernels="none",
-                              json=True, out=None)
+def test_the_command_prints_and_writes_the_records(monkeypatch, capsys, tmp_path):
+    import json
+
+    import specjax.aot.compile as command
+    from specjax.aot.graphs import kernel_graph
+
+    graph = kernel_graph(head_dim=128, group=4, nodes=8, max_len=1024, batch=2, dtype="bfloat16")
+    monkeypatch.setattr(command, "select_graphs", lambda args: [graph])
+    args = argparse.Namespace(device="h200", topology="1x1x1", preset=[], batch=[1], drafts=None, kernels="ci",
+                              json=True, out=str(tmp_path / "records.json"))
     assert main(args) == 0
-    assert capsys.readouterr().out.strip() == "[]"
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["graph"] == graph.name and record["device"] == "h200" and record["topology"] == "1x1x1"
+    qkv = 2 * 8 * 32 * 128 * 2 + 2 * (4 * 2 * 1024 * 8 * 128 * 2)  # q [2, 8, 32, 128] and k, v [4, 2, 1024, 8, 128] bf16
+    assert record["compile_s"] > 0 and qkv < record["argument_bytes"] < qkv + 1024
+    assert {"temp_bytes", "output_bytes", "alias_bytes"} <= set(record) and "H200" in record["device_kind"]
+    assert json.loads((tmp_path / "records.json").read_text())["records"] == [record]

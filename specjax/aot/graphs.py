@@ -85,10 +85,10 @@ def abstract_request(batch: int, prompt_len: int = PROMPT_LEN) -> tuple:
 # ---------------------------------------------------------------- the kernel
 
 # (nodes N, GQA group G) pairs covering every block plan: packed rows N x G of 1 (block_m 16), 8 x 4 = 32, 64 (a
-# full block), 256 (4 M blocks) and 256 x 8 = 2048 (32 M blocks); S = 2048 at batch 8 (a few splits) and 32768 at
-# batch 1 (the widest split-K).
+# full block), 256 (4 M blocks) and 256 x 8 = 2048 (32 M blocks); S = 2048 at batch 64 (enough programs: one split,
+# the kernel normalises its own output) and 32768 at batch 1 (the widest split-K, partials merged by XLA).
 KERNEL_NG = ((1, 1), (8, 4), (16, 4), (64, 4), (256, 8))
-KERNEL_SB = ((2048, 8), (32768, 1))
+KERNEL_SB = ((2048, 64), (32768, 1))
 KERNEL_HEAD_DIMS = (64, 128, 256)
 KERNEL_DTYPES = ("bfloat16", "float32")
 
