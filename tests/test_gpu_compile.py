@@ -112,7 +112,7 @@ def test_the_command_prints_and_writes_the_records(monkeypatch, capsys, tmp_path
     assert main(args) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["graph"] == graph.name and record["device"] == "h200" and record["topology"] == "1x1x1"
-    qkv = 2 * 8 * 32 * 128 * 2 + 2 * (4 * 2 * 1024 * 8 * 128 * 2)  # q [2, 8, 32, 128] and k, v [4, 2, 1024, 8, 128] bf16
+    qkv = 2 * 8 * 32 * 128 * 2 + 2 * (4 * 2 * 1024 * 8 * 128 * 2)  # q [2, 8, 32, 128], k and v [4, 2, 1024, 8, 128]
     assert record["compile_s"] > 0 and qkv < record["argument_bytes"] < qkv + 1024
     assert {"temp_bytes", "output_bytes", "alias_bytes"} <= set(record) and "H200" in record["device_kind"]
     assert json.loads((tmp_path / "records.json").read_text())["records"] == [record]

@@ -12,6 +12,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import re
 import sys
 import time
@@ -81,12 +82,17 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def compile_all(graphs: list[Graph], where: Placement, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def compile_all(graphs: list[Graph], where: Placement, log: Callable[[str], None] = print,
+                after: Callable[[list], None] | None = None) -> list[dict[str, Any]]:
+    """Compile every graph in turn; `after(records so far)` runs after each (the command rewrites its JSON, so a run
+    stopped early keeps what it finished)."""
     records = []
     for graph in graphs:
         record, _ = compile_graph(graph, where)
         records.append(record)
         log(one_line(record))
+        if after:
+            after(records)
     return records
 
 
@@ -174,16 +180,16 @@ def main(args: argparse.Namespace) -> int:
     graphs = select_graphs(args)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     log(f"compiling {len(graphs)} graphs {where.where} (jax {jax.__version__})")
-    records = compile_all(graphs, where, log)
-    if args.json:
-        print(json.dumps(records, indent=1))
-    else:
-        print(format_table(records))
-    if args.out:
+
+    def write(records):
         report = {"command": " ".join(["specjax", *sys.argv[1:]]), "jax": jax.__version__, "where": where.where,
-                  "machine": "2-core x86-64 VM, no GPU" if not where.on_gpu else where.device_kind,
+                  "machine": (where.device_kind if where.on_gpu
+                              else f"{os.cpu_count()}-core {platform.machine()}, no GPU"),
                   "records": records}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+    records = compile_all(graphs, where, log, write if args.out else None)
+    print(json.dumps(records, indent=1) if args.json else format_table(records))
     failed = [r["graph"] for r in records if "error" in r]
     if failed:
         print(f"{len(failed)} of {len(records)} graphs failed to compile: {', '.join(failed)}", file=sys.stderr)

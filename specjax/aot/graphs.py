@@ -193,8 +193,8 @@ def loop_graph(preset: str, draft: str, batch: int, *, cache_len: int = CACHE_LE
             extra = (jax.ShapeDtypeStruct((batch * (k + 1) + 1,), jnp.float32),)  # the verify cost curve
         info["tree"] = f"{draft.split('_')[0]}:{k}" + ("+prefix" if draft == "dspark_prefix" else "")
     args = (params, draft_params, *request, *extra)
-    return Graph(f"spec/{preset}/{info['tree']}/b{batch}{tp}", spec_generate, args, dict(lc=lc, drafter=drafter, **static), shardings(args), info,
-                 cfg, dcfg)
+    return Graph(f"spec/{preset}/{info['tree']}/b{batch}{tp}", spec_generate, args,
+                 dict(lc=lc, drafter=drafter, **static), shardings(args), info, cfg, dcfg)
 
 
 def loop_graphs(preset: str, batches=(1, 8, 64), drafts=DRAFTS, **kw) -> list[Graph]:

@@ -54,11 +54,12 @@ def compare(record: dict[str, Any], plan: MemoryPlan) -> dict[str, Any]:
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> str:
-    lines = ["| graph | device | plan GiB (weights + KV) | compiled GiB (args + temp + out - alias) | compiled / plan | "
-             "weights: plan / args GiB | KV: plan GiB / temp GiB | workspace GiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| graph | device | plan GiB (weights + KV) | compiled GiB (args + temp + out - alias) "
+             "| compiled / plan | weights: plan / args GiB | KV: plan GiB / temp GiB | workspace GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['graph']} | {r['device']} | {r['plan_bytes'] / GIB:.2f} | {r['compiled_bytes'] / GIB:.2f} | "
-                     f"{r['ratio']:.3f} | {r['weights_plan'] / GIB:.2f} / {r['arguments_compiled'] / GIB:.2f} | "
+        lines.append(f"| {r['graph']} | {r['device']} | {r['plan_bytes'] / GIB:.2f} | {r['compiled_bytes'] / GIB:.2f} "
+                     f"| {r['ratio']:.3f} | {r['weights_plan'] / GIB:.2f} / {r['arguments_compiled'] / GIB:.2f} | "
                      f"{r['cache_plan'] / GIB:.2f} / {r['temp_compiled'] / GIB:.2f} | {r['workspace'] / GIB:.2f} |")
     return "\n".join(lines)
 
