@@ -1,7 +1,7 @@
 """The production graphs compiled for an H100 on this CPU machine (deviceless AOT, specjax/aot), failing on any
 compile error: the tree-attention kernel over a reduced block-plan sweep and the Llama-3-8B-shaped loops (plain,
-a chain, a static tree, a dynamic tree, sampled with penalties and log-probs, DFlash, DSpark under the prefix
-scheduler). Runs where jaxlib's CUDA plugin is installed (`pip install -e '.[test,cuda12]'`, as .ci/run does);
+a chain, a dynamic tree, sampled with penalties and log-probs, DFlash, DSpark under the prefix scheduler; the static
+tree, the chain's code with another mask, only in `specjax compile`). Runs where jaxlib's CUDA plugin is installed (`pip install -e '.[test,cuda12]'`, as .ci/run does);
 `specjax compile --device h100` compiles the full set (docs/gpu_compile.md).
 """
 
@@ -71,7 +71,7 @@ def test_the_kernel_sweep_compiles_for_h100(h100):
 def loops(h100):
     """The 8B loops: plain at batch 1, the speculative ones at batch 8 (cache 2048 a row, prompts of 128)."""
     graphs = [loop_graph("8b", "plain", 1)] + [loop_graph("8b", d, 8) for d in
-                                              ("chain", "tree", "dynamic", "sampled", "dflash", "dspark_prefix")]
+                                              ("chain", "dynamic", "sampled", "dflash", "dspark_prefix")]
     return {g.info["draft"]: (g, compile_graph(g, h100)[0]) for g in graphs}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import platform
@@ -49,6 +50,20 @@ def scan_hlo(text: str) -> dict[str, Any]:
             "collectives": dict(collections.Counter(COLLECTIVE.findall(text)))}
 
 
+@contextlib.contextmanager
+def not_written_to_the_cache():
+    """Compile without writing JAX's persistent cache (an entry is written only past this compile time): a deviceless
+    executable cannot be loaded back without a GPU ("PjRtCompiler must be constructed with a Client"), so an entry
+    would only make the next compile of the same graph here warn and compile again."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    old = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(name, old)
+
+
 def compile_graph(graph: Graph, where: Placement) -> tuple[dict[str, Any], Any]:
     """Lower and compile one graph on `where`'s mesh: (its record, the compiled executable or None on an error)."""
     record: dict[str, Any] = {"graph": graph.name, "device": where.device, "topology": where.topology,
@@ -62,7 +77,8 @@ def compile_graph(graph: Graph, where: Placement) -> tuple[dict[str, Any], Any]:
         options = {} if where.on_gpu else DEVICELESS_OPTIONS
         record["compiler_options"] = options
         start, cpu = time.perf_counter(), cpu_seconds()
-        compiled = lowered.compile(compiler_options=options or None)
+        with contextlib.nullcontext() if where.on_gpu else not_written_to_the_cache():
+            compiled = lowered.compile(compiler_options=options or None)
         record["compile_s"] = round(time.perf_counter() - start, 2)
         record["compile_cpu_s"] = round(cpu_seconds() - cpu, 2)
     except Exception as err:  # noqa: BLE001 - any compile failure is this graph's result, reported and counted
