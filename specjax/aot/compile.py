@@ -189,8 +189,7 @@ def main(args: argparse.Namespace) -> int:
     if min(args.batch) < 1:
         raise ValueError(f"--batch sizes must be positive, got {args.batch}")
     # Compile cold, without the persistent cache specjax turns on at import (JAX decides once per process, at its
-    # first compile, which this is): the times are the compiler's, and a deviceless executable, which this process
-    # cannot load back ("PjRtCompiler must be constructed with a Client"), is not written where a later run reads.
+    # first compile, which this is): the times are the compiler's, on a GPU host too.
     jax.config.update("jax_enable_compilation_cache", False)
     where = placement(args.device, args.topology)
     graphs = select_graphs(args)
