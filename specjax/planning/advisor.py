@@ -32,7 +32,7 @@ from specjax.loading.target import load
 from specjax.planning.auto import auto_shape, one_pass_trees
 from specjax.planning.block_trees import CALIBRATION_WIDTH, best_block_tree, caterpillar
 from specjax.planning.calibration import calibrate
-from specjax.planning.memory import Draft, checkpoint_draft, format_memory, memory_plan, served_plans
+from specjax.planning.memory import SERVED_CASES, Draft, checkpoint_draft, format_memory, memory_plan
 from specjax.planning.planner import (
     Call,
     Choice,
@@ -46,6 +46,7 @@ from specjax.planning.planner import (
     shape_curve,
     shape_of,
 )
+from specjax.planning.presets import SERVED
 from specjax.planning.profile import (
     DEVICES,
     CostModel,
@@ -116,6 +117,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "draft's share and what is free for --batch rows of --context tokens (no --target: "
                         "Llama-3.3-70B at TP 8, Qwen3.5-27B at TP 2, Qwen3.5-122B-A10B at TP 8 on H100 and H200)")
     p.add_argument("--batch", type=int, default=32, help="--memory: rows held at --context cached tokens each")
+    p.add_argument("--compiled", action="store_true",
+                   help="--memory: also compile each case's plain loop for its device (deviceless without one; needs "
+                        "the cuda12 extra) and give the compiler's figure and the free memory it leaves")
     p.add_argument("--plot", default=None, help="write a PNG of predicted speedup vs concurrency")
     p.add_argument("--json", default=None, help="write the plan as JSON")
 
@@ -313,29 +317,38 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
     return 0
 
 
-def memory_main(args: argparse.Namespace) -> int:
-    """`specjax plan --memory`: the memory plan per device (planning/memory.py) as a table, and as JSON with --json:
-    the six served cases, or --target's config at --tensor-parallel on --device (default: H100 and H200)."""
+def memory_cases(args: argparse.Namespace) -> list[tuple[ModelConfig, str, str, int, int]]:
+    """What `plan --memory` plans: (config, name, device, tensor parallelism, MTP layers) per row: --target's config
+    at --tensor-parallel on --device (default: H100 and H200), or the six served cases at their own degrees."""
     devices = [args.device] if args.device else ["h100", "h200"]
     unknown = [d for d in devices if d not in DEVICES]
     if unknown:
         raise ValueError(f"--memory plans a device of DEVICES ({sorted(DEVICES)}), got --device {unknown[0]!r}")
-    draft = None
-    if args.drafter:
-        draft = Draft("n-gram (no weights)", 0.0, 0.0) if args.drafter == "ngram" else checkpoint_draft(args.drafter)
     if args.target:
         path = Path(args.target)
         hf = read_json(path) if path.is_file() else read_hf_config(path)
-        cfg = ModelConfig.from_hf(hf)
-        mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
+        cfg, mtp = ModelConfig.from_hf(hf), int(text_config(hf).get("mtp_num_hidden_layers", 0))
         name = path.parent.resolve().name if path.is_file() else path.name  # DIR/config.json: the model is DIR
-        plans = [memory_plan(cfg, name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp,
-                             read_scheme(hf)) for d in devices]
-    else:
-        if args.tensor_parallel != 1:
-            raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
-                             "drop --tensor-parallel, or pass --target with it")
-        plans = served_plans(args.batch, args.context, devices, draft)
+        return [(cfg, name, d, args.tensor_parallel, mtp) for d in devices]
+    if args.tensor_parallel != 1:
+        raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
+                         "drop --tensor-parallel, or pass --target with it")
+    mtp = {name: int(text_config(SERVED[name]).get("mtp_num_hidden_layers", 0)) for name, _ in SERVED_CASES}
+    return [(ModelConfig.from_hf(SERVED[name]), name, d, n, mtp[name]) for name, n in SERVED_CASES for d in devices]
+
+
+def memory_main(args: argparse.Namespace) -> int:
+    """`specjax plan --memory`: the memory plan per device (planning/memory.py) as a table, and as JSON with --json.
+    (With --compiled, specjax/cli.py hands the same cases to specjax/aot/memory.py instead.)"""
+    draft = None
+    if args.drafter:
+        draft = Draft("n-gram (no weights)", 0.0, 0.0) if args.drafter == "ngram" else checkpoint_draft(args.drafter)
+    scheme = None  # a quantized --target's weights at their size
+    if args.target:
+        path = Path(args.target)
+        scheme = read_scheme(read_json(path) if path.is_file() else read_hf_config(path))
+    plans = [memory_plan(cfg, name, DEVICES[d], n, args.batch, args.context, draft, mtp, scheme)
+             for cfg, name, d, n, mtp in memory_cases(args)]
     print(format_memory(plans))
     if args.json:
         write_report({"memory": [p.as_dict() for p in plans]}, args.json)
