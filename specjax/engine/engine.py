@@ -124,6 +124,7 @@ class Engine:
         if max_slots % self.data:
             raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's data-parallel size {self.data} "
                              f"(the slots are split over \"data\")")
+        max_prefill_batch = min(max_prefill_batch, max_slots)  # a prefill fills free slots: never more than all
         if max_prefill_batch % self.data:
             max_prefill_batch = -(-max_prefill_batch // self.data) * self.data
         self.max_top_logprobs, self.penalties, self.sampling = logprobs, penalties, sampling
@@ -141,7 +142,7 @@ class Engine:
                                  f"confidences and num_draft_tokens=K")
         self.scheduler, self.scheduler_profile = scheduler, scheduler_profile
         self._sched_costs: dict[int, Any] = {}
-        self.drafter = drafter
+        self.drafter = None if self.labels == [OFF] else drafter  # "off": the drafter is never run, nor kept
         nodes = max((s.cache_slots for s in specs.values()), default=0)
         self.cache_len = round_cache_length(max(max_len + nodes, bucket(max_len - 1)))  # holds any prompt bucket
         self.out_len = max_len
@@ -165,6 +166,8 @@ class Engine:
         self._warmup_requested: threading.Event | None = None
         self._last_read: float | None = None  # when the host last finished reading a chunk (its device time's start)
         self._last_step: int | None = None  # the slots' round counter at that read
+        self._depth_base = (0, 0)  # per-depth counts before the first request (warmup's dummies)
+        self._offered_D = self._accepted_D = np.zeros((0,), np.int64)  # drafts offered / accepted per depth since
         # host mirrors of the slots' per-row settings
         self._rows = _empty_rows(max_slots)
         self._max_new = np.zeros((max_slots,), np.int32)
@@ -267,7 +270,9 @@ class Engine:
             return {"occupancy": live, "memory": self.memory, "max_slots": self.max_slots, "queue_length": len(self._waiting),
                     "shape": self._shape, "shapes": list(self.labels), "shapes_over_time": list(self._history),
                     "compiles": self._compiles, "compile_s": self._compile_s, "warmed_up": self.warmed_up,
-                    "cache_len": self.cache_len, **dict(self._counters), **self.policy.summary()}
+                    "cache_len": self.cache_len, "offered_at_depth": [int(x) for x in self._offered_D],
+                    "accepted_at_depth": [int(x) for x in self._accepted_D], **dict(self._counters),
+                    **self.policy.summary()}
 
     def close(self) -> None:
         """Stop the loop: queued and running requests end with finish_reason "abort"."""
@@ -344,6 +349,8 @@ class Engine:
                     warm = self._warmup_requested
                 if warm is not None and not warm.is_set():
                     self._warmup()
+                    # the dummies' drafts are no one's acceptance: counted from here on
+                    self._depth_base = jax.device_get((self._slots.stats.offered_D, self._slots.stats.accepted_D))
                     self.warmed_up = True
                     warm.set()
                     self._warmup_requested = None
@@ -570,7 +577,8 @@ class Engine:
             self.policy.record(nb, live, label, rounds, tokens, now - since)
             if now - since < CHUNK_TARGET_S:
                 self._rounds = min(2 * self._rounds, MAX_ROUNDS)
-        self.policy.learn(stats.offered_D, stats.accepted_D)
+        self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
+        self.policy.learn(self._offered_D, self._accepted_D)
         self._counters["chunks"] += 1
         self._counters["tokens_emitted"] += tokens
 
