@@ -276,8 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (same as scripts/bench.py)").add_subparsers(dest="mode",
                                                                                              required=True)
+    from specjax.bench.serving.args import add_arguments as add_serve
+    from specjax.bench.serving.args import run as bench_serve
+
     for mode, add, fn, text in (("ar", add_ar, bench_ar, "plain decoding vs transformers"),
-                                ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep")):
+                                ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep"),
+                                ("serve", add_serve, bench_serve, "load an OpenAI-compatible server (vLLM's flags "
+                                                                  "and metrics)")):
         p = bench.add_parser(mode, help=text)
         add(p)
         p.set_defaults(fn=fn)
