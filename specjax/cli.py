@@ -1,4 +1,4 @@
-"""The `specjax` command: convert, generate, bench, plan, profile, demo."""
+"""The `specjax` command: convert, generate, serve, bench, plan, profile, demo."""
 
 from __future__ import annotations
 
@@ -170,6 +170,18 @@ def _eos_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 2,32000, got {text!r}") from None
 
 
+def _serve(args) -> int:
+    from specjax.serve.main import main  # FastAPI and uvicorn (the serve extra), only when serving
+
+    return main(args)
+
+
+def _bench_serve(args) -> int:
+    from specjax.bench.serving.main import main  # httpx (the serve extra), only when benchmarking a server
+
+    return main(args)
+
+
 def _demo(args) -> int:
     from specjax.demo import EMBEDDED, run_demo
 
@@ -269,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(p)
     p.set_defaults(fn=profile_main)
 
+    from specjax.serve.args import add_arguments as add_serve_args
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics) "
+                                     "on the engine")
+    add_serve_args(p)
+    p.set_defaults(fn=_serve)
+
     from specjax.bench.ar import add_arguments as add_ar
     from specjax.bench.ar import main as bench_ar
     from specjax.bench.spec import add_arguments as add_spec
@@ -277,11 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (same as scripts/bench.py)").add_subparsers(dest="mode",
                                                                                              required=True)
     from specjax.bench.serving.args import add_arguments as add_serve
-    from specjax.bench.serving.args import run as bench_serve
 
     for mode, add, fn, text in (("ar", add_ar, bench_ar, "plain decoding vs transformers"),
                                 ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep"),
-                                ("serve", add_serve, bench_serve, "load an OpenAI-compatible server (vLLM's flags "
+                                ("serve", add_serve, _bench_serve, "load an OpenAI-compatible server (vLLM's flags "
                                                                   "and metrics)")):
         p = bench.add_parser(mode, help=text)
         add(p)

@@ -23,7 +23,8 @@ RANKS = {
     "planning": 6,    # load-aware shape choice: planner, profile, calibration, "auto", advisor
     "generate": 7,    # specjax.generate
     "bench": 8, "train": 8,
-    "demo": 9, "cli": 9, "__init__": 9,
+    "serve": 9,       # the OpenAI-compatible HTTP server on the engine
+    "demo": 10, "cli": 10, "__init__": 10,
 }
 
 

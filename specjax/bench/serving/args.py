@@ -65,10 +65,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw the run: output tokens/s and requests in flight per second, and the server's draft "
                         "shape beside its occupancy over time")
-
-
-def run(args) -> int:
-    """The subcommand: imports the client's packages only now."""
-    from specjax.bench.serving.main import main
-
-    return main(args)

@@ -54,8 +54,9 @@ async def benchmark(base_url: str, endpoint: str, model: str | None, samples: li
                     seed: int = 0, ramp: tuple = (None, None, None), sampling: dict | None = None,
                     continuous_usage: bool = True, ignore_eos: bool = False, metrics_interval_s: float = 0.5,
                     progress: bool = True) -> dict:
-    """Run the load: {"model", "results" (RequestResult per sample, in order), "duration", "server" (acceptance over
-    the run, or None), "gauges" (the /metrics samples over time)}."""
+    """Run the load: {"model", "results" (RequestResult per sample, in order, .start in s after t0), "duration",
+    "t0" (the run's start, a perf_counter reading), "server" (acceptance over the run, or None), "gauges" (the
+    /metrics samples over time)}."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     offsets = arrivals.send_offsets(len(samples), request_rate, burstiness, seed, *ramp)
@@ -89,7 +90,7 @@ async def benchmark(base_url: str, endpoint: str, model: str | None, samples: li
         after = await server_metrics.scrape(http, base_url)
     for r in results:
         r.start -= t0
-    return {"model": model, "results": list(results), "duration": duration,
+    return {"model": model, "results": list(results), "duration": duration, "t0": t0,
             "server": server_metrics.acceptance(before, after), "gauges": gauges}
 
 

@@ -109,7 +109,8 @@ def _peak(ok: list[RequestResult], lens: list[int]) -> dict:
     seconds = int(math.ceil(max(r.start + r.latency for r in ok) - t0)) + 1
     tokens, active = np.zeros(seconds), np.zeros(seconds)
     for r, n in zip(ok, lens):
-        times, counts = (r.token_times, r.token_counts) if r.token_times else (r.content_times, [1] * len(r.content_times))
+        times, counts = ((r.token_times, r.token_counts) if r.token_times
+                         else (r.content_times, [1] * len(r.content_times)))
         for t, k in zip(times, counts):
             tokens[int(r.start + t - t0)] += k
         active[int(r.start - t0): int(r.start + r.latency - t0) + 1] += 1

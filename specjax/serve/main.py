@@ -1,0 +1,123 @@
+"""`specjax serve CKPT`: load a target (and a drafter), start an Engine, warm it up, serve it over HTTP.
+
+At startup it prints the memory plan of the slots (weights, KV cache of --max-slots x --max-len, the drafter's
+share), the warm-up time and the URL. SIGINT or SIGTERM stop it: the listening socket closes at once (no new
+requests), requests in flight get --shutdown-timeout seconds to finish and are then aborted, the engine is closed,
+and the process exits 0. A second SIGINT quits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+GIB = 2.0**30
+
+
+class QuietSignalServer(uvicorn.Server):
+    """uvicorn's server, except that after a signal has stopped it the signal is not raised again: uvicorn re-raises
+    it once shut down, which would end the process by the signal instead of with exit code 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def memory_lines(target, drafter_path: str | None, max_slots: int, max_len: int, tensor_parallel: int) -> list[str]:
+    """This server's memory plan per device, by specjax/planning/memory.py's accounting."""
+    from specjax.planning.memory import checkpoint_draft, kv_bytes_per_token, recurrent_bytes
+    from specjax.planning.profile import DTYPE_BYTES
+    from specjax.planning.tensor_parallel import split_model
+
+    cfg = target.cfg
+    tp = split_model(cfg, tensor_parallel)
+    weights = cfg.num_params(shards=tp.shards) * DTYPE_BYTES.get(str(cfg.dtype), 4)
+    per_token = kv_bytes_per_token(cfg, tp)
+    cache = max_slots * (max_len * per_token + recurrent_bytes(cfg, tp))
+    lines = [f"memory plan (per device, tensor parallel {tensor_parallel}): weights {weights / GIB:.3f} GiB; "
+             f"KV cache {max_slots} slots x {max_len} tokens x {per_token / 1024:.1f} KiB = {cache / GIB:.3f} GiB"]
+    if drafter_path and drafter_path != "ngram" and Path(drafter_path).is_dir():
+        try:
+            d = checkpoint_draft(drafter_path)
+            lines.append(f"  drafter: weights {d.weight_bytes / GIB:.3f} GiB + KV cache "
+                         f"{max_slots * max_len * d.kv_bytes_per_token / GIB:.3f} GiB")
+        except (ValueError, FileNotFoundError, KeyError) as err:
+            lines.append(f"  drafter: not counted ({err})")
+    return lines
+
+
+def serving_mesh(tensor_parallel: int | None, mesh: tuple[int, int] | None):
+    """The mesh --tensor-parallel N or --mesh D,M ask for, or None."""
+    from specjax.models.sharding import device_mesh, tensor_parallel_mesh
+
+    if mesh is not None and tensor_parallel is not None:
+        raise ValueError("pass --mesh D,M or --tensor-parallel N, not both (--tensor-parallel N is --mesh 1,N)")
+    if mesh is not None:
+        return device_mesh(*mesh)
+    return None if tensor_parallel is None else tensor_parallel_mesh(tensor_parallel)
+
+
+def load_drafter(spec: str | None, target):
+    """--drafter: None, 'ngram', or a drafter directory."""
+    if spec is None:
+        return None
+    if spec == "ngram":
+        from specjax.drafters import NgramDrafter
+
+        return NgramDrafter()
+    from specjax.loading.drafter import load_drafter as load
+
+    return load(spec, target)
+
+
+def main(args) -> int:
+    import jax
+
+    from specjax.engine import Engine
+    from specjax.loading.target import load
+    from specjax.serve.app import Server, build_app
+
+    if args.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs must be >= 0, or -1 for none, got {args.max_logprobs}")
+    started = time.perf_counter()
+    target = load(args.ckpt, attn_impl=args.attn_impl, mesh=serving_mesh(args.tensor_parallel, args.mesh))
+    drafter = load_drafter(args.drafter, target)
+    shape = args.num_draft_tokens
+    if drafter is not None and shape is None and args.tree is None:
+        shape = "auto"
+    max_logprobs = None if args.max_logprobs < 0 else args.max_logprobs
+    tp = args.tensor_parallel or (args.mesh[1] if args.mesh else 1)
+    for line in memory_lines(target, args.drafter, args.max_slots, args.max_len, tp):
+        print(line, flush=True)
+    engine = Engine(target, drafter, max_slots=args.max_slots, max_len=args.max_len, num_draft_tokens=shape,
+                    tree=args.tree, logprobs=max_logprobs, penalties=not args.no_penalties)
+    try:
+        devices = jax.devices()
+        print(f"warming up: compiling every executable ({len(devices)} {devices[0].platform} device(s))", flush=True)
+        warm = engine.warmup()
+        print(f"warm-up: {warm:.1f} s (startup {time.perf_counter() - started:.1f} s)", flush=True)
+        name = args.served_model_name or Path(args.ckpt).resolve().name
+        server = Server(engine, target, name, max_len=args.max_len, max_queue=args.max_queue,
+                        max_logprobs=max_logprobs)
+        config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        http = QuietSignalServer(config)
+        print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops it)", flush=True)
+        http.run()
+        if not http.started:
+            print(f"specjax serve: error: could not listen on {args.host}:{args.port}", file=sys.stderr)
+            return 1
+    finally:
+        engine.close()
+    print("stopped", flush=True)
+    return 0
