@@ -7,6 +7,7 @@ from specjax.chat import apply_chat_template
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.inspect import DraftInspection, inspect_draft
 from specjax.drafters import NgramDrafter, replay_drafter
+from specjax.engine import Engine, RequestHandle, RequestOutput
 from specjax.generate import GenerateOutput, StreamChunk, generate, stream
 from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import embedded
@@ -22,6 +23,6 @@ try:
 except PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["DraftInspection", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "StreamChunk", "Target",
+__all__ = ["DraftInspection", "Engine", "RequestHandle", "RequestOutput", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "StreamChunk", "Target",
            "__version__", "apply_chat_template", "convert", "embedded", "generate", "inspect_draft", "load",
            "load_drafter", "replay_drafter", "stream"]

@@ -23,6 +23,7 @@ RANKS = {
     "planning": 6,    # load-aware shape choice: planner, profile, calibration, "auto", advisor
     "generate": 7,    # specjax.generate
     "bench": 8, "train": 8,
+    "engine": 8,      # continuous batching: slots, the load policy, the engine's thread
     "serve": 9,       # the OpenAI-compatible HTTP server on the engine
     "demo": 10, "cli": 10, "__init__": 10,
 }

@@ -178,13 +178,20 @@ def plain_start(model: Decoder, lc: LoopConfig, rows: RowSettings, prompt_BT, pr
                       first.counts, first.logprobs)
 
 
+def finished_one(exit_on_finish: jax.Array | None, done_at_entry_B: jax.Array, done_B: jax.Array) -> jax.Array:
+    """A loop's early exit: exit_on_finish (traced bool, or None: never) and some row finished since the loop began."""
+    if exit_on_finish is None:
+        return jnp.bool_(False)
+    return exit_on_finish & jnp.any(done_B & ~done_at_entry_B)
+
+
 def plain_advance(model: Decoder, lc: LoopConfig, rows: RowSettings, max_new_B, state: PlainState,
-                  until: jax.Array) -> PlainState:
-    """Steps until step `until` or every row is done."""
+                  until: jax.Array, exit_on_finish: jax.Array | None = None) -> PlainState:
+    """Steps until step `until` or every row is done; with exit_on_finish true, also once a row finishes."""
     b = state.tok_B.shape[0]
 
     def cond(s: PlainState):
-        return (s.step < until) & ~jnp.all(s.done_B)
+        return (s.step < until) & ~jnp.all(s.done_B) & ~finished_one(exit_on_finish, state.done_B, s.done_B)
 
     def body(s: PlainState):
         keys_B, sub_B = split_rows(s.keys_B, 2)

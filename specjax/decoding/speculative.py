@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from specjax.config import SamplingConfig
-from specjax.decoding.decode import Logprobs, LoopConfig, RowSettings, first_token, is_stop, prefill
+from specjax.decoding.decode import Logprobs, LoopConfig, RowSettings, finished_one, first_token, is_stop, prefill
 from specjax.decoding.drafter import Drafter, PrefillContext, Settings, accepted_tokens
 from specjax.decoding.penalties import TokenCounts, forbid_stops, penalise_tree
 from specjax.decoding.request import GenerateOutput, LoopResult, Options, finish, prepare, run_loop, timing_context
@@ -135,16 +135,26 @@ class SpecState:
     logprobs: Logprobs | None
 
 
+def start_rows(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Drafter | None, draft_params, prompt_BT,
+               prompt_len_B, max_new_B, seeds_B, fold_B):
+    """What every speculative start does (the loop's, the engine's prefill): per-row keys, the prefilled cache, the
+    first token (FirstToken) and the drafter's init over the prompt (None without a drafter)."""
+    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
+    cache = model.init_cache(prompt_BT.shape[0], lc.cache_len)
+    capture = () if drafter is None else drafter.feature_layers
+    logits_BV, prompt_features, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B, capture=capture)
+    first = first_token(lc, rows, sub_B, logits_BV, prompt_BT, prompt_len_B, max_new_B)
+    dstate = None if drafter is None else drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B,
+                                                                                    first.tok_B, prompt_features))
+    return keys_B, cache, first, dstate
+
+
 def spec_start(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Drafter, draft_params, prompt_BT,
                prompt_len_B, max_new_B, seeds_B, fold_B) -> SpecState:
     """Prefill (capturing the drafter's features), the first token and the drafter's init."""
     tree = drafter.settings.tree
-    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
-    cache = model.init_cache(prompt_BT.shape[0], lc.cache_len)
-    logits_BV, prompt_features, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B,
-                                                capture=drafter.feature_layers)
-    first = first_token(lc, rows, sub_B, logits_BV, prompt_BT, prompt_len_B, max_new_B)
-    dstate = drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B, first.tok_B, prompt_features))
+    keys_B, cache, first, dstate = start_rows(model, lc, rows, drafter, draft_params, prompt_BT, prompt_len_B,
+                                              max_new_B, seeds_B, fold_B)
     zeros_BO = jnp.zeros_like(first.out_BO)
     return SpecState(jnp.int32(0), cache, first.tok_B, first.out_BO, zeros_BO, zeros_BO, first.count_B, first.done_B,
                      dstate, keys_B, SpecStats.zeros(prompt_BT.shape[0], tree.max_depth, tree.num_nodes),
@@ -152,14 +162,16 @@ def spec_start(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Draft
 
 
 def spec_advance(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Drafter, draft_params, max_new_B,
-                 seconds_T, sched: Scheduler | None, state: SpecState, until: jax.Array) -> SpecState:
-    """Rounds until round `until` or every row is done."""
+                 seconds_T, sched: Scheduler | None, state: SpecState, until: jax.Array,
+                 exit_on_finish: jax.Array | None = None) -> SpecState:
+    """Rounds until round `until` or every row is done; with exit_on_finish (a traced bool) true, also as soon as a
+    row finishes (the engine's chunk, when a request waits for its slot)."""
     b, n = state.root_B.shape[0], drafter.settings.tree.num_nodes
     features = drafter.feature_layers
     rows_B1, i_N = jnp.arange(b)[:, None], jnp.arange(n)
 
     def cond(s: SpecState):
-        return (s.step < until) & ~jnp.all(s.done_B)
+        return (s.step < until) & ~jnp.all(s.done_B) & ~finished_one(exit_on_finish, state.done_B, s.done_B)
 
     def body(s: SpecState):
         keys_B, k_draft_B, k_verify_B = split_rows(s.keys_B, 3)

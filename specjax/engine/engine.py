@@ -1,0 +1,742 @@
+"""`specjax.Engine`: continuous batching with speculation that follows the live number of requests.
+
+A thread of its own runs the loop: between chunks it admits waiting requests (prefilled at a power-of-two prompt
+bucket, several at once, inserted into free slots by a jitted donated scatter), hands out tokens, retires finished
+or aborted requests (the last live row moved into the freed slot, so live rows stay at the lowest indices) and
+picks the next chunk's draft shape from the number of slots decoding (`policy.LoadPolicy`). A chunk is up to R
+rounds of the speculative loop (or plain steps when speculation is off) over the first nb slots, nb the occupancy
+bucket, ending early when a row finishes while a request waits. The next chunk is dispatched before the host reads
+the last one's tokens (as `specjax.stream` does).
+
+Every executable is keyed by (occupancy bucket, shape, greedy or sampled) for chunks and (prompt bucket, prefill
+batch) for prefills; `warmup()` compiles them all, and a run after it compiles nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.chat import render_prompts
+from specjax.config import SamplingConfig
+from specjax.decoding.decode import GREEDY, SAMPLED, LoopConfig, RowSettings
+from specjax.decoding.drafter import Settings, check_drafter_argument
+from specjax.decoding.penalties import RowPenalties
+from specjax.decoding.request import GenerateOutput, bucket, prepare, round_cache_length
+from specjax.decoding.sampling import RowSampling
+from specjax.decoding.speculative import check_drafter_fits
+from specjax.decoding.stream import RowText, StreamChunk, finish_reason
+from specjax.decoding.tree import DynamicTreeSpec, parse_tree
+from specjax.engine import slots as ops
+from specjax.engine.handle import RequestHandle, RequestOutput
+from specjax.engine.policy import OFF, LoadPolicy
+from specjax.generate import OPTIONS, _options, _sampling
+from specjax.models.target import Target
+
+AUTO_CHAINS = (1, 2, 4)  # the chains "auto" chooses among, besides off
+STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count of the slots' settings
+CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS
+MAX_ROUNDS = 32
+WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", *OPTIONS)
+
+
+@dataclasses.dataclass
+class _Active:
+    """A request between submission and retirement, as the host tracks it."""
+
+    handle: RequestHandle
+    ids: list[int]
+    req: Any  # decoding.request.Request of this one prompt (batch 1): its validated per-row settings
+    text: RowText
+    submitted: float
+    slot: int = -1
+    seen: int = 0  # tokens read from the device so far
+    device_tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    stale: bool = False  # its drafter state missed tokens decoded with speculation off
+    stats_row: tuple[int, int, int] = (0, 0, 0)  # its speculative rounds, emitted and accepted tokens
+    first_token_at: float | None = None
+    aborted: bool = False
+    finished: bool = False
+
+
+class Engine:
+    """Continuous batching over `max_slots` decode slots, each with its own KV cache row (and drafter state).
+
+    num_draft_tokens: "auto" (off and chains of AUTO_CHAINS, chosen per chunk from the live occupancy), K (a fixed
+    chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
+    request may ask (None: requests may not ask logprobs; computing them costs every round). penalties: whether
+    requests may use repetition / presence / frequency penalties and min_tokens (their token counts cost memory
+    [slots, vocab] and every round). sampling: whether requests may sample (False compiles the greedy path only).
+    """
+
+    def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
+                 num_draft_tokens="auto", tree=None, logprobs: int | None = None, penalties: bool = False,
+                 sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096):
+        if not isinstance(target, Target):
+            raise TypeError(f"Engine's first argument must be a specjax Target, got {type(target).__name__}")
+        for name, value in (("max_slots", max_slots), ("max_len", max_len), ("max_prefill_batch", max_prefill_batch),
+                            ("prefill_tokens_per_gap", prefill_tokens_per_gap)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or the most top logprobs a request may ask (an int >= 0), "
+                             f"got {logprobs!r}")
+        self.target, self.max_slots, self.max_len = target, max_slots, max_len
+        self.max_top_logprobs, self.penalties, self.sampling = logprobs, penalties, sampling
+        self.max_prefill_batch, self.prefill_tokens_per_gap = max_prefill_batch, prefill_tokens_per_gap
+        self.labels, specs = _shapes(drafter, num_draft_tokens, tree)
+        if drafter is not None:
+            check_drafter_argument(drafter)
+            check_drafter_fits(drafter, target)
+        self.drafter = drafter
+        nodes = max((s.cache_slots for s in specs.values()), default=0)
+        self.cache_len = round_cache_length(max_len + nodes)
+        self.out_len = max_len
+        self.depth = max((s.max_depth for s in specs.values()), default=1)
+        self.lc = {sampled: LoopConfig(target.cfg, sampled, self.out_len, self.cache_len, target.attn_impl,
+                                       penalties=penalties, logprobs=-1 if logprobs is None else logprobs)
+                   for sampled in ((False, True) if sampling else (False,))}
+        # Every configured drafter (per shape and sampling mode) must carry the same state structure: the slots
+        # hold one drafter state whatever shape the next chunk runs.
+        self.configured = {(label, sampled): self._configure(specs[label], sampled)
+                           for label in specs for sampled in self.lc}
+        self.base_drafter = self.configured[(self.labels[-1] if self.labels[-1] != OFF else OFF, max(self.lc))] \
+            if drafter is not None else None
+        self.policy = LoadPolicy(self.labels, {lb: (0 if lb == OFF else specs[lb].max_depth) for lb in self.labels})
+        self._prefill_drafter = self.configured.get((_first_spec(self.labels), max(self.lc)))
+        self._trace_axes()
+        self._compiles = 0
+        self._compile_s = 0.0
+        self._executables: dict[tuple, Any] = {}
+        self.warmed_up = False
+        # host mirrors of the slots' per-row settings
+        self._rows = _empty_rows(max_slots)
+        self._max_new = np.zeros((max_slots,), np.int32)
+        self._live: list[_Active | None] = [None] * max_slots
+        self._waiting: collections.deque[_Active] = collections.deque()
+        self._requests: dict[int, _Active] = {}  # every request not yet finished, by id
+        self._inflight: collections.deque[tuple] = collections.deque()
+        self._lock = threading.Condition()
+        self._ids = itertools.count()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._shape: str | None = None
+        self._rounds = 1
+        self._history: list[tuple[float, int, str]] = []
+        self._counters = collections.Counter()
+        self._started = time.perf_counter()
+        self._slots = self._fresh_slots()
+        self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, prompt, **settings) -> RequestHandle:
+        """Queue one request (a string, token ids, or a chat: a list of {"role", "content"} messages) with
+        `generate`'s per-request settings; returns its handle at once. Bad input raises here, alone."""
+        active = self._validate(prompt, settings)
+        with self._lock:
+            self._check_open()
+            self._waiting.append(active)
+            self._requests[active.handle.request_id] = active
+            self._lock.notify_all()
+        return active.handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a request wherever it is (queued or decoding); its handle finishes with finish_reason "abort"."""
+        if not isinstance(handle, RequestHandle):
+            raise TypeError(f"abort() takes the RequestHandle submit() returned, got {type(handle).__name__}")
+        with self._lock:
+            a = self._requests.get(handle.request_id)
+            if a is None or a.handle is not handle or a.finished:
+                return
+            a.aborted = True
+            if a in self._waiting:
+                self._waiting.remove(a)
+                self._finish(a, "abort")
+            self._lock.notify_all()
+
+    def generate(self, prompts: Sequence, **settings) -> GenerateOutput:
+        """Every prompt through the engine at full occupancy; each setting one value or one per prompt. Returns a
+        GenerateOutput in prompt order, like specjax.generate."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        n = len(prompts)
+        per = {}
+        for name, value in settings.items():
+            many = isinstance(value, (list, tuple)) and not (name in ("stop", "stop_token_ids") and
+                                                             not all(isinstance(v, (list, tuple)) for v in value))
+            if many and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} values for {n} prompts: pass one value per prompt or one "
+                                 f"for all")
+            per[name] = list(value) if many else [value] * n
+        start = time.perf_counter()
+        handles = [self.submit(p, **{k: v[i] for k, v in per.items()}) for i, p in enumerate(prompts)]
+        outs = [h.result() for h in handles]
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.tokens) for o in outs)
+        out = GenerateOutput([o.tokens for o in outs], {"tokens_per_s": tokens / seconds, "decode_s": seconds,
+                                                       "generated_tokens": tokens, "engine": self.stats()},
+                             texts=None if self.target.tokenizer is None else [o.text for o in outs],
+                             finish_reasons=[o.finish_reason for o in outs],
+                             stop_reasons=[o.stop_reason for o in outs])
+        if all(o.logprobs is not None for o in outs):
+            out.logprobs = [o.logprobs for o in outs]
+            if all(o.top_logprobs is not None for o in outs):
+                out.top_logprobs = [o.top_logprobs for o in outs]
+        return out
+
+    def warmup(self) -> float:
+        """Compile every executable the engine can use and time each chunk shape at each occupancy bucket (the
+        policy's cost profile); returns the seconds it took."""
+        start = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            if self._waiting or self._live_count():
+                raise RuntimeError("warmup() runs on an idle engine: call it before submitting requests")
+            self._warmup_requested = threading.Event()
+            self._lock.notify_all()
+        self._warmup_requested.wait()
+        self._check_open()
+        return time.perf_counter() - start
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            live = sum(a is not None and not a.finished for a in self._live)
+            return {"occupancy": live, "max_slots": self.max_slots, "queue_length": len(self._waiting),
+                    "shape": self._shape, "shapes": list(self.labels), "shapes_over_time": list(self._history),
+                    "compiles": self._compiles, "compile_s": self._compile_s, "warmed_up": self.warmed_up,
+                    "cache_len": self.cache_len, **dict(self._counters), **self.policy.summary()}
+
+    def close(self) -> None:
+        """Stop the loop: queued and running requests end with finish_reason "abort"."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Engine(slots={self.max_slots}, max_len={self.max_len}, shapes={self.labels}, "
+                f"drafter={getattr(self.drafter, 'name', None)})")
+
+    # ------------------------------------------------------------------ requests
+    def _validate(self, prompt, settings: dict) -> _Active:
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"submit() got unexpected keyword argument(s) {unknown}; its settings are {list(SETTINGS)}")
+        o = {**OPTIONS, **{k: settings[k] for k in OPTIONS if k in settings}}
+        max_new = settings.get("max_new_tokens", 128)
+        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
+        t = self.target
+        sampling = _sampling(t, settings.get("temperature"), settings.get("top_k"), settings.get("top_p"), o["min_p"])
+        options = _options(t, o)
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            prompts = [prompt]
+        else:
+            prompts = [list(prompt)]
+        prompts = render_prompts(t, prompts, o["chat_template_kwargs"])
+        req = prepare(t, prompts, int(max_new), sampling, None, None, settings.get("seed"), options=options)
+        ids = req.ids[0]
+        if len(ids) + max_new > self.max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
+                             f"{len(ids) + max_new} positions, more than this engine's max_len={self.max_len}")
+        if not sampling.greedy and not self.sampling:
+            raise ValueError("this engine was built with sampling=False: pass temperature=0 (greedy), or build it "
+                             "with Engine(..., sampling=True)")
+        if options.penalties.active and not self.penalties:
+            raise ValueError("this engine was built without penalties: drop the penalties and min_tokens, or build "
+                             "it with Engine(..., penalties=True)")
+        if options.logprobs >= 0 and (self.max_top_logprobs is None or options.logprobs > self.max_top_logprobs):
+            cap = ("no logprobs (build it with Engine(..., logprobs=n))" if self.max_top_logprobs is None
+                   else f"top_logprobs of at most {self.max_top_logprobs}")
+            raise ValueError(f"top_logprobs={options.logprobs} asked, but this engine computes {cap}")
+        if len(req.stop_ids) > STOP_IDS:
+            raise ValueError(f"{len(req.stop_ids)} stop token ids (EOS included); the engine takes at most {STOP_IDS}")
+        text = RowText(t, options.stop, options.include_stop_str_in_output, options.skip_special_tokens,
+                       options.penalties.min_tokens)
+        return _Active(RequestHandle(next(self._ids)), ids, req, text, time.perf_counter())
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._error!r}") from self._error
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while (not self._closed and not self._waiting and not self._inflight and not self._live_count()
+                           and getattr(self, "_warmup_requested", None) is None):
+                        self._lock.wait()
+                    if self._closed:
+                        break
+                    warm = getattr(self, "_warmup_requested", None)
+                if warm is not None and not warm.is_set():
+                    self._warmup()
+                    self.warmed_up = True
+                    warm.set()
+                    self._warmup_requested = None
+                    continue
+                self._step()
+        except BaseException as e:  # noqa: BLE001  fail every request in flight with it, never hang them
+            self._error = e
+        finally:
+            self._shutdown()
+
+    def _step(self) -> None:
+        """One gap between chunks: retire and admit, dispatch the next chunk, then read the previous one."""
+        self._retire()
+        self._admit()
+        live = self._live_count()
+        if live:
+            self._dispatch(live)
+        if self._inflight and (len(self._inflight) > 1 or not live):
+            self._read(*self._inflight.popleft())
+
+    def _live_count(self) -> int:
+        return sum(a is not None for a in self._live)
+
+    def _retire(self) -> None:
+        """Free the slots of finished and aborted requests; keep the live rows at the lowest indices."""
+        with self._lock:
+            ended = [a for a in self._live if a is not None and (a.finished or a.aborted)]
+        if not ended:
+            return
+        mark = np.zeros((self.max_slots,), bool)
+        for a in ended:
+            if a.aborted and not a.finished:
+                self._finish(a, "abort")
+            mark[a.slot] = True
+            self._free(a.slot)
+        self._slots = self._exec("mark_done", ops.mark_done, donate=0)(self._slots, jnp.asarray(mark))
+        for hole in sorted(a.slot for a in ended):
+            last = max((i for i, a in enumerate(self._live) if a is not None), default=-1)
+            if last > hole and self._live[hole] is None:
+                self._slots = self._exec("move", ops.move, donate=0, axes=self.axes)(
+                    self._slots, jnp.int32(last), jnp.int32(hole))
+                moved = self._live[last]
+                self._copy_row(last, hole)
+                moved.slot = hole
+                self._free(last)
+
+    def _free(self, slot: int) -> None:
+        self._live[slot] = None
+        self._max_new[slot] = 0
+        _set_row(self._rows, slot, _empty_rows(1), 0)
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        self._live[dst] = self._live[src]
+        self._max_new[dst] = self._max_new[src]
+        _set_row(self._rows, dst, self._rows, src)
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots: grouped by prompt bucket, up to max_prefill_batch a group and
+        prefill_tokens_per_gap prompt tokens a gap (at least one request)."""
+        with self._lock:
+            free = self.max_slots - self._live_count()
+            chosen, budget = [], self.prefill_tokens_per_gap
+            while self._waiting and len(chosen) < free:
+                need = bucket(len(self._waiting[0].ids))
+                if chosen and need > budget:
+                    break
+                chosen.append(self._waiting.popleft())
+                budget -= need
+        if not chosen:
+            return
+        groups = collections.defaultdict(list)
+        for a in chosen:
+            groups[bucket(len(a.ids))].append(a)
+        for length, group in sorted(groups.items()):
+            for i in range(0, len(group), self.max_prefill_batch):
+                self._prefill(group[i: i + self.max_prefill_batch], length)
+
+    def _prefill(self, group: list[_Active], length: int) -> None:
+        pb = bucket(len(group), minimum=1)
+        base = self._live_count()
+        dst = np.full((pb,), self.max_slots, np.int32)  # padding rows are dropped by the insert
+        prompt_BT = np.zeros((pb, length), np.int32)
+        prompt_len_B, max_new_B = np.ones((pb,), np.int32), np.zeros((pb,), np.int32)
+        seeds_B, fold_B = np.zeros((pb,), np.uint32), np.zeros((pb,), np.uint32)
+        rows = _empty_rows(pb)
+        for i, a in enumerate(group):
+            slot = base + i
+            prompt_BT[i, :len(a.ids)] = a.ids
+            prompt_len_B[i], max_new_B[i] = len(a.ids), a.req.max_new_B[0]
+            seeds_B[i], fold_B[i] = a.req.seeds_B[0], a.req.fold_B[0]
+            _set_row(rows, i, a.req.rows, 0)
+            dst[i] = slot
+            a.slot = slot
+            with self._lock:
+                self._live[slot] = a
+            self._max_new[slot] = max_new_B[i]
+            _set_row(self._rows, slot, a.req.rows, 0)
+        sampled = max(self.lc)
+        new = self._exec(("prefill", pb, length), ops.prefill, lc=self.lc[sampled], drafter=self._prefill_drafter,
+                         depth=self.depth)(self.target.params, self._draft_params(), prompt_BT, prompt_len_B,
+                                           max_new_B, seeds_B, fold_B, _as_rows(rows))
+        self._slots = self._exec(("insert", pb), ops.insert, donate=0, axes=self.axes)(self._slots, new,
+                                                                                       jnp.asarray(dst))
+        self._counters["prefills"] += 1
+        self._counters["prefill_rows"] += len(group)
+
+    def _dispatch(self, live: int) -> None:
+        nb = bucket(live, minimum=1)
+        fixed = len(self.labels) == 1
+        label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
+        if label != self._shape:
+            self._history.append((round(time.perf_counter() - self._started, 4), live, label))
+            self._shape = label
+        if label != OFF and any(a is not None and a.stale for a in self._live):
+            self._catch_up()
+        sampled = any(a is not None and a.req.lc.sampled for a in self._live)
+        if label == OFF:
+            for a in self._live:
+                if a is not None:
+                    a.stale = self.drafter is not None
+        self._chunk(label, nb, sampled, self._rounds, bool(self._waiting))
+        snap = self._exec("snapshot", ops.snapshot)(self._slots)
+        self._inflight.append((snap, list(self._live), label, nb, live, time.perf_counter()))
+
+    def _chunk(self, label: str, nb: int, sampled: bool, rounds: int, exit_early: bool) -> None:
+        """Dispatch one chunk of `label` over the first nb slots (the slots donated)."""
+        args = (jnp.asarray(self._max_new[:nb]), _as_rows(self._rows, nb))
+        if label == OFF:
+            fn = self._exec(("plain", nb, sampled), ops.plain_chunk, donate=3, lc=self.lc[sampled], nb=nb,
+                            axes=self.axes)
+            self._slots = fn(self.target.params, *args, self._slots, jnp.int32(rounds), jnp.bool_(exit_early))
+        else:
+            fn = self._exec(("spec", nb, label, sampled), ops.spec_chunk, donate=4, lc=self.lc[sampled],
+                            drafter=self.configured[(label, sampled)], nb=nb, axes=self.axes)
+            self._slots = fn(self.target.params, self._draft_params(), *args, self._slots, jnp.int32(rounds),
+                             jnp.bool_(exit_early))
+
+    def _read(self, snap, owners: list, label: str, nb: int, live: int, dispatched: float) -> None:
+        """Hand out one chunk's tokens; learn from its timing and acceptance."""
+        out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(snap)
+        now = time.perf_counter()
+        since = max(dispatched, getattr(self, "_last_read", dispatched))
+        self._last_read = now
+        tokens = 0
+        for slot, a in enumerate(owners):
+            if a is None or a.finished or a.aborted:
+                continue
+            tokens += self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
+        rounds = int(step) - getattr(self, "_last_step", int(step))
+        self._last_step = int(step)
+        if rounds > 0:
+            self.policy.record(nb, live, label, rounds, tokens, now - since)
+            if now - since < CHUNK_TARGET_S:
+                self._rounds = min(2 * self._rounds, MAX_ROUNDS)
+        self.policy.learn(stats.offered_D, stats.accepted_D)
+        self._counters["chunks"] += 1
+        self._counters["tokens_emitted"] += tokens
+
+    def _take(self, a: _Active, slot: int, out_BO, count_B, done_B, stats, logprobs, now: float) -> int:
+        new = out_BO[slot, a.seen: count_B[slot]].tolist()
+        start = a.seen
+        a.seen = int(count_B[slot])
+        a.device_tokens.extend(new)
+        kept_before = len(a.text.tokens)
+        for tok in new:
+            if a.text.stopped:
+                break
+            a.text.push(tok)
+        kept = a.text.tokens[kept_before:]
+        lp = tops = None
+        if logprobs is not None and a.req.options.logprobs >= 0:
+            lp = logprobs.token_BO[slot, start: start + len(kept)].tolist()
+            a.logprobs.extend(lp)
+            n = a.req.options.logprobs
+            if n > 0:
+                tops = [list(zip(logprobs.top_ids_BOK[slot, j, :n].tolist(), logprobs.top_BOK[slot, j, :n].tolist()))
+                        for j in range(start, start + len(kept))]
+                a.top_logprobs.extend(tops)
+        if kept and a.first_token_at is None:
+            a.first_token_at = now
+        finished = a.text.stopped or bool(done_B[slot])
+        tokens, text = a.text.new_output(finished)
+        reason = stop = None
+        if finished:
+            reason, stop = finish_reason(a.text.tokens, a.text.stop_reason, a.req.stop_ids)
+        if tokens or text or finished:
+            a.handle._push(StreamChunk(0, tokens, text, reason, *_chunk_extras(lp, tops, stop)))
+        if finished:
+            a.stats_row = (int(stats.rounds_B[slot]), int(stats.emitted_B[slot]), int(stats.accepted_B[slot]))
+            self._finish(a, reason, stop)
+        return len(new)
+
+    def _finish(self, a: _Active, reason: str, stop=None) -> None:
+        a.finished = True
+        self._requests.pop(a.handle.request_id, None)
+        if reason == "abort":
+            tokens, text = a.text.new_output(True)
+            a.handle._push(StreamChunk(0, tokens, text, "abort"))
+        now = time.perf_counter()
+        rounds, emitted, accepted = a.stats_row
+        stats = {"prompt_tokens": len(a.ids), "completion_tokens": len(a.text.tokens), "rounds": rounds,
+                 "accepted_drafts": accepted, "acceptance_length": emitted / rounds if rounds else None,
+                 "queue_s": None, "ttft_s": None if a.first_token_at is None else a.first_token_at - a.submitted,
+                 "e2e_s": now - a.submitted, "seed": a.req.seeds_used}
+        n = len(a.text.tokens)
+        want = a.req.options.logprobs
+        out = RequestOutput(a.handle.request_id, a.ids, list(a.text.tokens), a.text.text, reason, stop,
+                            a.logprobs[:n] if want >= 0 else None, a.top_logprobs[:n] if want > 0 else None, stats)
+        a.handle._finish(out)
+        self._counters["requests_finished" if reason != "abort" else "requests_aborted"] += 1
+
+    def _catch_up(self) -> None:
+        """Speculation resumes: every row decoded with it off gets a drafter state over its whole sequence."""
+        while self._inflight:  # the host needs every row's tokens so far
+            self._read(*self._inflight.popleft())
+        stale = [a for a in self._live if a is not None and a.stale and not a.finished]
+        groups = collections.defaultdict(list)
+        for a in stale:
+            groups[bucket(len(a.ids) + len(a.device_tokens) - 1)].append(a)
+        for length, group in sorted(groups.items()):
+            for i in range(0, len(group), self.max_prefill_batch):
+                self._catch_up_group(group[i: i + self.max_prefill_batch], length)
+        for a in stale:
+            a.stale = False
+
+    def _catch_up_group(self, group: list[_Active], length: int) -> None:
+        pb = bucket(len(group), minimum=1)
+        seq_BT = np.zeros((pb, length), np.int32)
+        seq_len_B, root_B = np.ones((pb,), np.int32), np.zeros((pb,), np.int32)
+        dst = np.full((pb,), self.max_slots, np.int32)  # padding rows (and warmup's) are dropped
+        for j, a in enumerate(group):
+            seq = a.ids + a.device_tokens[:-1]
+            seq_BT[j, :len(seq)], seq_len_B[j], root_B[j], dst[j] = seq, len(seq), a.device_tokens[-1], a.slot
+        dstate = self._exec(("catch_up", pb, length), ops.catch_up, lc=self.lc[max(self.lc)],
+                            drafter=self._prefill_drafter)(self.target.params, self._draft_params(), seq_BT,
+                                                           seq_len_B, root_B)
+        new_dstate = self._exec(("insert_dstate", pb), ops.insert, donate=0, axes=self.dstate_axes)(
+            self._slots.dstate, dstate, jnp.asarray(dst))
+        self._slots = dataclasses.replace(self._slots, dstate=new_dstate)
+        self._counters["catch_up_rows"] += sum(a.slot < self.max_slots for a in group)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending = list(self._waiting) + [a for a in self._live if a is not None and not a.finished]
+            self._waiting.clear()
+        for a in pending:
+            if self._error is not None:
+                a.handle._finish(error=self._error)
+            else:
+                self._finish(a, "abort")
+        warm = getattr(self, "_warmup_requested", None)
+        if warm is not None:
+            warm.set()
+
+    # ------------------------------------------------------------------ compiled operations
+    def _exec(self, key, fn, donate: int | None = None, **static):
+        """`fn` jitted with `static` (and argument `donate` donated), compiled once per key and argument signature;
+        every compile is counted (a run after warmup must add none)."""
+        key = (key, *sorted((k, v) for k, v in static.items() if k != "axes"))
+        jitted = self._executables.get(key)
+        if jitted is None:
+            jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,))
+            self._executables[key] = jitted
+        return _Counted(self, jitted, static)
+
+    def _draft_params(self):
+        return None if self.drafter is None else self.drafter.params
+
+    def _configure(self, spec, sampled: bool):
+        if self.drafter is None or spec is None:
+            return None
+        return self.drafter.configure(Settings(spec, SAMPLED if sampled else GREEDY, self.cache_len, self.out_len))
+
+    def _fresh_slots(self):
+        """All slots empty (done, no budget): a prefill of max_slots one-token prompts."""
+        b = self.max_slots
+        lc = self.lc[max(self.lc)]
+        return jax.jit(ops.prefill, static_argnames=("lc", "drafter", "depth"))(
+            self.target.params, self._draft_params(), np.zeros((b, 16), np.int32), np.ones((b,), np.int32),
+            np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32), _as_rows(_empty_rows(b)),
+            lc=lc, drafter=self._prefill_drafter, depth=self.depth)
+
+    def _trace_axes(self) -> None:
+        """The batch axis of every leaf of the slots (and of the drafter state alone), by tracing at two sizes;
+        and a check that every configured drafter keeps the same state structure."""
+        lc = self.lc[max(self.lc)]
+
+        def shapes(b):
+            return jax.eval_shape(partial_prefill(lc, self._prefill_drafter, self.depth), self.target.params,
+                                  self._draft_params(), jax.ShapeDtypeStruct((b, 16), jnp.int32),
+                                  jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                                  jax.ShapeDtypeStruct((b,), jnp.uint32), jax.ShapeDtypeStruct((b,), jnp.uint32),
+                                  _as_rows(_empty_rows(b)))
+
+        small, large = shapes(3), shapes(5)
+        self.axes = ops.batch_axes(small, large)
+        self.dstate_axes = ops.batch_axes(small.dstate, large.dstate)
+        want = jax.tree.structure(small.dstate)
+        for (label, sampled), drafter in self.configured.items():
+            if drafter is None:
+                continue
+            got = jax.tree.structure(jax.eval_shape(partial_prefill(lc, drafter, self.depth), self.target.params,
+                                                    self._draft_params(), jax.ShapeDtypeStruct((3, 16), jnp.int32),
+                                                    jax.ShapeDtypeStruct((3,), jnp.int32),
+                                                    jax.ShapeDtypeStruct((3,), jnp.int32),
+                                                    jax.ShapeDtypeStruct((3,), jnp.uint32),
+                                                    jax.ShapeDtypeStruct((3,), jnp.uint32),
+                                                    _as_rows(_empty_rows(3))).dstate)
+            if got != want:
+                raise ValueError(f"the drafter keeps a different state for shape {label!r} than for "
+                                 f"{_first_spec(self.labels)!r}; the engine switches shapes between chunks over one "
+                                 f"drafter state: give shapes of one kind (chains, or one tree)")
+
+    def _warmup(self) -> None:
+        """Compile every executable and time every chunk shape at every occupancy bucket (the policy's cost profile):
+        prefill, insert and catch-up at every prompt bucket and prefill batch; per occupancy bucket nb, nb dummy
+        requests run each shape's chunk (greedy and sampled) twice, the second timed; then every slot is freed."""
+        lengths = _buckets(16, bucket(self.max_len - 1))
+        for pb in _buckets(1, self.max_prefill_batch):
+            for length in lengths:
+                dummies = [self._dummy(min(length, self.max_len - 1)) for _ in range(pb)]
+                self._prefill(dummies, length)
+                self._retire_all()
+                if self.drafter is not None:
+                    for a in dummies:
+                        a.device_tokens, a.slot = [0], self.max_slots
+                    self._catch_up_group(dummies, length)
+        for nb in _buckets(1, self.max_slots):
+            for label in self.labels:
+                for sampled in self.lc:
+                    dummies = [self._dummy(1, self.max_len - 1) for _ in range(nb)]
+                    for i in range(0, nb, self.max_prefill_batch):
+                        self._prefill(dummies[i: i + self.max_prefill_batch], 16)
+                    for timed in (False, True):
+                        start = time.perf_counter()
+                        self._chunk(label, nb, sampled, WARMUP_ROUNDS, False)
+                        jax.block_until_ready(self._slots)
+                        if timed and sampled == max(self.lc):
+                            self.policy.round_s[(nb, label)].add((time.perf_counter() - start) / WARMUP_ROUNDS)
+                    self._exec("snapshot", ops.snapshot)(self._slots)
+                    self._retire_all()
+
+    def _dummy(self, prompt_len: int, max_new: int = 1) -> _Active:
+        return self._validate([1] * max(1, prompt_len), {"max_new_tokens": max_new, "temperature": 0.0})
+
+    def _retire_all(self) -> None:
+        for a in self._live:
+            if a is not None:
+                a.finished = True
+        self._retire()
+
+
+class _Counted:
+    """A jitted function that counts its compiles (a new argument signature) on the engine."""
+
+    def __init__(self, engine: Engine, jitted, static: dict):
+        self.engine, self.jitted, self.static = engine, jitted, static
+
+    def __call__(self, *args):
+        before = self.jitted._cache_size()
+        start = time.perf_counter()
+        out = self.jitted(*args, **self.static)
+        if self.jitted._cache_size() != before:
+            self.engine._compiles += 1
+            self.engine._compile_s += time.perf_counter() - start
+        return out
+
+
+def partial_prefill(lc, drafter, depth):
+    return lambda *a: ops.prefill(*a, lc=lc, drafter=drafter, depth=depth)
+
+
+def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
+    """The engine's candidate shapes: labels in order and their tree specs ("off" has none)."""
+    if drafter is None:
+        if num_draft_tokens not in ("auto", "off", None) or tree is not None:
+            raise ValueError("num_draft_tokens= / tree= shape a speculative draft but no drafter was given: pass "
+                             "drafter=, or leave them unset")
+        return [OFF], {}
+    if tree is not None:
+        if num_draft_tokens not in ("auto", None):
+            raise ValueError(f"pass either num_draft_tokens={num_draft_tokens!r} or tree={tree!r}, not both")
+        spec = parse_tree(tree, None)
+        if isinstance(spec, DynamicTreeSpec):
+            raise ValueError("the engine runs static shapes (chains, static trees); a dynamic tree is not supported "
+                             "by the engine yet: use specjax.generate for it")
+        return [_label(spec)], {_label(spec): spec}
+    if num_draft_tokens == "off":
+        return [OFF], {}
+    if num_draft_tokens == "auto":
+        specs = {f"chain:{k}": parse_tree(None, k) for k in AUTO_CHAINS}
+        return [OFF, *specs], specs
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be 'auto', 'off' or a positive int K, got {num_draft_tokens!r}")
+    spec = parse_tree(None, num_draft_tokens)
+    return [_label(spec)], {_label(spec): spec}
+
+
+def _label(spec) -> str:
+    return f"chain:{spec.num_nodes - 1}" if spec.is_chain else f"tree:{spec.num_nodes}n/d{spec.max_depth}"
+
+
+def _first_spec(labels: list[str]) -> str:
+    return next((lb for lb in labels if lb != OFF), OFF)
+
+
+def _buckets(low: int, high: int) -> list[int]:
+    out, b = [], low
+    while b < high:
+        out.append(b)
+        b *= 2
+    return out + [bucket(high, minimum=low)] if not out or out[-1] < high else out
+
+
+def _empty_rows(b: int) -> RowSettings:
+    """Host RowSettings for b rows, every row greedy, unpenalised, without stop ids."""
+    return RowSettings(RowSampling.of(SamplingConfig(), 0, b), RowPenalties.of(_NO_PENALTIES, 0, b),
+                       np.full((b, STOP_IDS), -1, np.int32))
+
+
+def _set_row(rows: RowSettings, i: int, src: RowSettings, j: int) -> None:
+    """Host row i of `rows` set from row j of `src` (stop ids padded to STOP_IDS)."""
+    for dst_leaf, src_leaf in zip(jax.tree.leaves(rows), jax.tree.leaves(src)):
+        if dst_leaf.ndim == 2:
+            dst_leaf[i] = -1
+            dst_leaf[i, :src_leaf.shape[1]] = src_leaf[j]
+        else:
+            dst_leaf[i] = src_leaf[j]
+
+
+def _as_rows(rows: RowSettings, n: int | None = None) -> RowSettings:
+    """The first n rows as device arrays."""
+    return jax.tree.map(lambda x: jnp.asarray(x if n is None else x[:n]), rows)
+
+
+def _chunk_extras(logprobs, top, stop) -> tuple:
+    fields = {f.name for f in dataclasses.fields(StreamChunk)}
+    extras = []
+    if "logprobs" in fields:
+        extras += [logprobs, top, stop] if "stop_reason" in fields else [logprobs, top]
+    return tuple(extras)
+
+
+from specjax.config import PenaltyConfig  # noqa: E402
+
+_NO_PENALTIES = PenaltyConfig()
