@@ -9,7 +9,8 @@ Policies:
   queues: prompt + max_tokens must fit in --max-len. max_tokens defaults to 16 on /v1/completions (OpenAI's) and to
   what is left of --max-len on /v1/chat/completions.
 - Unset sampling values come from the checkpoint's generation_config.json when it has them, else OpenAI's defaults
-  (temperature 1, top_p 1, top_k and min_p off), as vLLM does. With `seed` and n > 1, choice j uses seed + j.
+  (temperature 1, top_p 1, top_k and min_p off), as vLLM does; on a greedy-only engine (--greedy-only) temperature
+  defaults to 0. With `seed` and n > 1, choice j uses seed + j.
 - Bounded queue: at most --max-slots + --max-queue engine requests may be unfinished at once; a request that would
   go past that is answered 503 at once (type "service_unavailable", a Retry-After header), never queued.
 - A client that disconnects aborts its requests: the engine frees their slots.
@@ -57,6 +58,8 @@ class Server:
         self.created = int(time.time())
         gen = target.generation_config or {}
         self.defaults = {k: gen.get(k) if gen.get(k) is not None else v for k, v in OPENAI_DEFAULTS.items()}
+        if not getattr(engine, "sampling", True):  # a greedy-only engine (serve --greedy-only)
+            self.defaults["temperature"] = 0.0
         self._token_texts: dict[int, str] = {}
 
     def token_text(self, token: int) -> str:

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a slot; past it a request is answered 503 at once")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most alternatives a request may ask per token (vLLM's default); -1: no logprobs at all")
+    p.add_argument("--greedy-only", action="store_true",
+                   help="compile the greedy path only (half the executables): unset temperature means 0, and a "
+                        "request with temperature > 0 is refused")
     p.add_argument("--no-penalties", action="store_true",
                    help="refuse presence/frequency/repetition penalties and min_tokens (the loop then skips them)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

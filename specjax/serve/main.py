@@ -100,7 +100,8 @@ def main(args) -> int:
     for line in memory_lines(target, args.drafter, args.max_slots, args.max_len, tp):
         print(line, flush=True)
     engine = Engine(target, drafter, max_slots=args.max_slots, max_len=args.max_len, num_draft_tokens=shape,
-                    tree=args.tree, logprobs=max_logprobs, penalties=not args.no_penalties)
+                    tree=args.tree, logprobs=max_logprobs, penalties=not args.no_penalties,
+                    sampling=not args.greedy_only)
     try:
         devices = jax.devices()
         print(f"warming up: compiling every executable ({len(devices)} {devices[0].platform} device(s))", flush=True)
