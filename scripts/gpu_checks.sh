@@ -5,11 +5,14 @@
 #                                  against nodes with the MTP layer's drafting, speculative decoding
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
+#   scripts/gpu_checks.sh serve    the live curve behind `specjax serve`: a random 8B target (bf16) and its random
+#                                  1B-shaped draft model, speculation off and "auto", `specjax bench serve`'s load at
+#                                  concurrency 1..64 (needs the serve extra: fastapi, uvicorn, prometheus-client, httpx)
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
-# Every command runs under `timeout`; the dense part's timeouts add up to 565 s (9 min 25 s), the
+# Every command runs under `timeout` (the serve part's: 560 s); the dense part's timeouts add up to 565 s (9 min 25 s), the
 # hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 525 s
 # (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
@@ -61,6 +64,18 @@ step profile_moe timeout 190 python scripts/profile_preset.py --preset qwen3_30b
 step bench_moe_paths timeout 120 python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 \
     --tokens 1,2,8,32,128,512,4096 --out "$out/bench_moe_paths.json"
 step moe_gpu_tests timeout 40 python -m pytest -q tests/test_gpu_path.py -k moe
+elif [ "${1:-}" = "serve" ]; then
+# S1. Throughput and TPOT against concurrency 1, 4, 16, 64 with speculation off and "auto" (random weights accept
+#     little, so auto should settle on off or a short chain; the curve shows what serving and the engine cost under
+#     load), each server warmed up first. The JSON is rewritten after every setting.
+if python -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
+    step serve_curve_8b timeout 560 python scripts/serve_curve.py --preset 8b --settings off,auto \
+        --concurrency 1,4,16,64 --max-slots 64 --max-len 512 --input-len 128 --output-len 64 --prompts-per-slot 2 \
+        --out "$out/serve_curve_8b.json" --plot "$out/serve_curve_8b.png"
+else
+    echo "=== serve_curve_8b: skipped (the serve extra is not installed here: pip install -e '.[serve]')"
+    echo "serve_curve_8b: skipped, no serve extra" >"$out/serve_curve_8b.log"
+fi
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
 #     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's

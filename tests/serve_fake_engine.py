@@ -10,7 +10,6 @@ queue. Stop strings end a request on the text. Bad settings raise at submit, as 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import threading
 import time
@@ -210,24 +209,3 @@ class FakeEngine:
         h.push(last, out)
 
 
-
-@contextlib.contextmanager
-def serving(app, port: int = 0):
-    """Run an ASGI app with uvicorn on 127.0.0.1 in a thread; yields its base URL."""
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", port))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)

@@ -14,10 +14,11 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
-from serve_fake_engine import FakeEngine, continuation, serving, token_logprob  # noqa: E402
+from serve_fake_engine import FakeEngine, continuation, token_logprob  # noqa: E402
 from specjax import load  # noqa: E402
 from specjax.loading.embedded import embedded  # noqa: E402
 from specjax.serve.app import Server, build_app  # noqa: E402
+from specjax.serve.main import serve_in_thread as serving  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +33,25 @@ class QuietSignalServer(uvicorn.Server):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Run an app with uvicorn on a thread of this process (port 0: a free one); yields its base URL, and stops it
+    on exit. For scripts and tests that drive an engine they built themselves."""
+    sock = socket.socket()
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def memory_lines(target, drafter_path: str | None, max_slots: int, max_len: int, tensor_parallel: int) -> list[str]:
