@@ -78,7 +78,7 @@ def preset_server(args, setting: str, pair):
 
     target, draft = pair
     shape = setting.split(":")[-1] if setting.startswith("chain:") else setting
-    engine = Engine(target, draft, max_slots=args.max_slots, max_len=args.max_len,
+    engine = Engine(target, None if shape == "off" else draft, max_slots=args.max_slots, max_len=args.max_len,
                     num_draft_tokens=int(shape) if shape.isdigit() else shape, sampling=False)
     try:
         print(f"{setting}: warm-up {engine.warmup():.1f} s", flush=True)
@@ -145,7 +145,14 @@ def main(argv=None) -> int:
     ap.add_argument("--logs", default="runs/serve_curve")
     ap.add_argument("--out", default="runs/serve_curve.json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from", dest="source", default=None, help="print the table (and --plot) of a saved record only")
     args = ap.parse_args(argv)
+    if args.source:
+        record = json.loads(Path(args.source).read_text())
+        print(format_table(record["runs"]))
+        if args.plot:
+            plot_curve(best_fixed(record["runs"]), args.plot, title=record.get("title", ""))
+        return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     pair = tokenizer = vocab = None
     if args.preset:
@@ -168,13 +175,33 @@ def main(argv=None) -> int:
     curves = best_fixed(record["runs"])
     record["curve"] = {label: [{k: r[k] for k in ("max_concurrency", "output_throughput", "median_tpot_ms",
                                                    "setting")} for r in rows] for label, rows in curves.items()}
+    what = f"random {args.preset} target + draft model" if args.preset else "embedded target + draft model"
+    record["title"] = f"specjax serve, {what}, {record['machine'].split(',')[0]}"
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
+    print(format_table(record["runs"]))
     if args.plot:
-        what = f"random {args.preset} target + draft model" if args.preset else "embedded target + draft model"
-        plot_curve(curves, args.plot, title=f"specjax serve, {what}, {record['machine'].split(',')[0]}")
+        plot_curve(curves, args.plot, title=record["title"])
         print(f"wrote {args.plot}")
     return 0
+
+
+def format_table(runs: list[dict]) -> str:
+    """Markdown: output tok/s and median TPOT per concurrency, a column pair per setting, the best fixed marked."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    best = {r["max_concurrency"]: r["setting"] for r in best_fixed(runs).get("best fixed", [])}
+    head = "| concurrency | " + " | ".join(f"{s} tok/s (TPOT ms)" for s in settings) + " | auto's shapes |"
+    lines = [head, "|" + "---|" * (len(settings) + 2)]
+    for c in sorted({r["max_concurrency"] for r in runs}):
+        cells, shapes = [], ""
+        for s in settings:
+            r = next((r for r in runs if r["setting"] == s and r["max_concurrency"] == c), None)
+            mark = "**" if best.get(c) == s else ""
+            cells.append("" if r is None else f"{mark}{r['output_throughput']:.0f}{mark} ({r['median_tpot_ms']:.1f})")
+            if r is not None and s == "auto":
+                shapes = ", ".join(r["shapes_seen"])
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {shapes} |")
+    return "\n".join(lines)
 
 
 def best_fixed(runs: list[dict]) -> dict[str, list[dict]]:

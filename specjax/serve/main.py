@@ -116,6 +116,8 @@ def main(args) -> int:
     shape = args.num_draft_tokens
     if drafter is not None and shape is None and args.tree is None:
         shape = "auto"
+    if shape == "off":  # speculation off: the plain loop, no drafter to hold or warm up
+        drafter = None
     max_logprobs = None if args.max_logprobs < 0 else args.max_logprobs
     tp = args.tensor_parallel or (args.mesh[1] if args.mesh else 1)
     for line in memory_lines(target, args.drafter, args.max_slots, args.max_len, tp):
