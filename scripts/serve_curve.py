@@ -189,7 +189,8 @@ def main(argv=None) -> int:
 def format_table(runs: list[dict]) -> str:
     """Markdown: output tok/s and median TPOT per concurrency, a column pair per setting, the best fixed marked."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
-    best = {r["max_concurrency"]: r["setting"] for r in best_fixed(runs).get("best fixed", [])}
+    best = {r["max_concurrency"]: r["setting"] for label, rows in best_fixed(runs).items() if label.startswith("best")
+            for r in rows}
     head = "| concurrency | " + " | ".join(f"{s} tok/s (TPOT ms)" for s in settings) + " | auto's shapes |"
     lines = [head, "|" + "---|" * (len(settings) + 2)]
     for c in sorted({r["max_concurrency"] for r in runs}):
@@ -205,7 +206,8 @@ def format_table(runs: list[dict]) -> str:
 
 
 def best_fixed(runs: list[dict]) -> dict[str, list[dict]]:
-    """{"off": [...], "best fixed": [the best chain:K at each concurrency], "auto": [...]} (those present)."""
+    """{"off": [...], "best fixed (chain:...)": [the best chain:K run at each concurrency], "auto": [...]} (those
+    present)."""
     curves: dict[str, list[dict]] = {}
     for label in ("off", "auto"):
         rows = [r for r in runs if r["setting"] == label]
@@ -218,7 +220,8 @@ def best_fixed(runs: list[dict]) -> dict[str, list[dict]]:
             c = r["max_concurrency"]
             if c not in best or r["output_throughput"] > best[c]["output_throughput"]:
                 best[c] = r
-        curves["best fixed"] = [best[c] for c in sorted(best)]
+        chains = sorted({r["setting"] for r in fixed}, key=lambda s: int(s.split(":")[1]))
+        curves[f"best fixed ({', '.join(chains)})"] = [best[c] for c in sorted(best)]
     return curves
 
 
