@@ -8,13 +8,18 @@
 #   scripts/gpu_checks.sh serve    the live curve behind `specjax serve`: a random 8B target (bf16) and its random
 #                                  1B-shaped draft model, speculation off and "auto", `specjax bench serve`'s load at
 #                                  concurrency 1..64 (needs the serve extra: fastapi, uvicorn, prometheus-client, httpx)
+#   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls and whether XLA fuses the
+#                                  dequantization into the GEMM, a random 8B target's decode in bf16 vs FP8 vs INT4,
+#                                  speculation on the FP8 target, the quantized-format tests
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
+#   scripts/gpu_checks.sh engine   the engine (continuous batching, speculation following the live load) on a random
+#                                  8B target: replay at 0.6 / 0.9 and a random draft model, concurrency 1..64
 # Every command runs under `timeout` (the serve part's: 560 s); the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s) and the tp part's to 525 s
-# (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s), the quant part's to 585 s (9 min 45 s)
+# and the tp part's to 525 s (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -76,6 +81,15 @@ else
     echo "=== serve_curve_8b: skipped (the serve extra is not installed here: pip install -e '.[serve]')"
     echo "serve_curve_8b: skipped, no serve extra" >"$out/serve_curve_8b.log"
 fi
+elif [ "${1:-}" = "quant" ]; then
+# Q1. Quantized weights (docs/quantization.md): [1..8, 4096] x [4096, 14336] in bf16 / block FP8 / INT4 (group 128),
+#     each dequantized inside the jitted matmul; whether XLA fuses the dequantization into the GEMM (compiled HLO,
+#     kept beside the JSON); a random 8B target's batch-1 decode in bf16, FP8 and INT4 (ms per token, bytes held);
+#     replay chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
+step bench_quant_8b timeout 420 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
+    --formats fp8 int4 --tokens 64 --repeats 3 --spec 3 --hlo --out "$out/bench_quant_8b.json"
+# Q2. The quantized-format parity tests on the GPU (block FP8 end to end, compressed-tensors, AWQ).
+step quant_tests timeout 150 python -m pytest -q tests/test_quantized.py tests/test_quantized_formats.py
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
 #     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's
@@ -94,6 +108,12 @@ else
     echo "bench_allreduce: skipped, $gpus GPU" >"$out/bench_allreduce.log"
     echo "=== bench_tp: skipped ($gpus GPU here: tensor parallelism needs more than one)"
 fi
+elif [ "${1:-}" = "engine" ]; then
+# E1. specjax.Engine, random 8B target in bf16, 64 slots: per drafter (replay 0.6, replay 0.9, the random 1B-shaped
+#     draft model) "auto" against "off" and chains of 1, 2, 4 at concurrency 1, 4, 16, 64, then a ramp 1 -> 64 -> 1
+#     with the shape chosen against time (JSON and plot).
+step engine_load timeout 560 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
+    --requests 64 --tokens 64 --repeats 1 --step-s 3 --out "$out/engine_load.json" --plot "$out/engine_load.png"
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).
 step kernel_tests timeout 100 python -m pytest -q tests/kernels

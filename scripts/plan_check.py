@@ -36,9 +36,10 @@ import numpy as np
 from specjax import generate, load, load_drafter
 from specjax.bench.ar import machine_info
 from specjax.bench.plan import add_predictions, format_table, measure_shapes, pick_summary, shapes_for, speedup_interval
+from specjax.config import SamplingConfig
 from specjax.decoding.request import prompt_ids, timing_context
 from specjax.drafters.replay import tree_replay
-from specjax.planning.auto import auto_cost, tree_with_its_drafting
+from specjax.planning.auto import auto_cost, auto_shape, tree_with_its_drafting
 from specjax.planning.planner import Call, drafts_with_a_model, shape_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +118,9 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=60.0,
                     help="more repeats (up to 60) until one batch's timed runs add up to this many seconds")
+    ap.add_argument("--quick", action="store_true",
+                    help="plan from `specjax plan`'s quick measurement (auto_shape(quick=True): chains 1,2,4, three "
+                         "timed rounds, never timed again) instead of generate(..., tree='auto')'s full one")
     ap.add_argument("--out", default="runs/plan_check.json")
     ap.add_argument("--from", dest="saved", metavar="JSON",
                     help="measure nothing: the cells and the summary of a run saved by --out, recomputed from its rows")
@@ -165,7 +169,11 @@ def main(argv=None) -> int:
             prompts = held_out_prompts(b)
             drafter = make_drafter(name, target, prompts, args.max_new_tokens)
             # "auto" plans first (calibration, loop timings, pass costs); every shape is then predicted with its
-            # acceptance and cost model, for this call, so the table's predictions are the planner's own.
+            # acceptance and cost model, for this call, so the table's predictions are the planner's own. --quick:
+            # measured as `specjax plan` measures by default, and "auto" runs (and is predicted from) that plan.
+            if args.quick:
+                auto_shape(target, drafter, prompts, trees=True, sampling=SamplingConfig().validate(), seed=0,
+                           eos_token_id=(), max_new_tokens=args.max_new_tokens, quick=True)
             plan = generate(target, prompts, drafter=drafter, tree="auto", max_new_tokens=args.max_new_tokens,
                             eos_token_id=[]).stats["plan"]
             if b == ints(args.batches)[0]:  # the trees measured at every batch: the DP's for the first calibration

@@ -1,11 +1,10 @@
 """specjax: speculative decoding for JAX/XLA."""
 
-from importlib.metadata import PackageNotFoundError, version
-
 from specjax import compile_cache
-from specjax.chat import apply_chat_template
+from specjax.chat import apply_chat_template, chat_text
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.inspect import DraftInspection, inspect_draft
+from specjax.decoding.params import SamplingParams
 from specjax.drafters import NgramDrafter, replay_drafter
 from specjax.engine import Engine, RequestHandle, RequestOutput
 from specjax.generate import GenerateOutput, StreamChunk, generate, stream
@@ -18,11 +17,20 @@ from specjax.models.target import Target
 # compiles, and importing specjax compiles nothing, so setting it here is early enough.
 compile_cache.setup()
 
-try:
-    __version__ = version("specjax")
-except PackageNotFoundError:  # imported from a checkout that was never installed
-    __version__ = "0+unknown"
 
-__all__ = ["DraftInspection", "Engine", "RequestHandle", "RequestOutput", "GenerateOutput", "ModelConfig", "NgramDrafter", "SamplingConfig", "StreamChunk", "Target",
-           "__version__", "apply_chat_template", "convert", "embedded", "generate", "inspect_draft", "load",
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specjax")
+    except PackageNotFoundError:  # imported from a checkout that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
+del _version
+
+__all__ = ["DraftInspection", "Engine", "GenerateOutput", "ModelConfig", "NgramDrafter", "RequestHandle",
+           "RequestOutput", "SamplingConfig", "SamplingParams", "StreamChunk", "Target", "__version__",
+           "apply_chat_template", "chat_text", "convert", "embedded", "generate", "inspect_draft", "load",
            "load_drafter", "replay_drafter", "stream"]

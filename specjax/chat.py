@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +74,18 @@ def render_prompts(target: Target, prompts: Sequence, chat_template_kwargs: dict
 
 
 def apply_chat_template(target: Target, messages: Sequence[Mapping], add_generation_prompt: bool = True,
-                        **template_kwargs) -> list[int]:
-    """The prompt ids of a conversation: the checkpoint's chat template rendered, tokenised without special tokens.
+                        tokenize: bool = True, **template_kwargs) -> list[int] | str:
+    """The prompt ids of a conversation: the checkpoint's chat template rendered, tokenised without special tokens
+    (tokenize=False: the rendered text, as `chat_text` gives it).
 
     Equal to transformers' `AutoTokenizer.from_pretrained(dir).apply_chat_template(messages, add_generation_prompt=
-    True, tokenize=True)`. template_kwargs are template variables (Qwen3's enable_thinking=False, Llama 3.1's
+    True, tokenize=tokenize)`. template_kwargs are template variables (Qwen3's enable_thinking=False, Llama 3.1's
     date_string, tools=[JSON schemas], documents=[...]).
     """
+    if not isinstance(tokenize, bool):
+        raise TypeError(f"tokenize must be True (prompt ids) or False (the rendered text), got {tokenize!r}")
     text = chat_text(target, messages, add_generation_prompt, **template_kwargs)
-    return target.tokenizer.encode(text, add_special_tokens=False).ids
+    return target.tokenizer.encode(text, add_special_tokens=False).ids if tokenize else text
 
 
 def chat_text(target: Target, messages: Sequence[Mapping], add_generation_prompt: bool = True,
@@ -107,6 +111,9 @@ def chat_text(target: Target, messages: Sequence[Mapping], add_generation_prompt
 
 def _template_directory(target: Target) -> Path:
     """The checkpoint directory whose template and special tokens a conversation is rendered with."""
+    if not isinstance(target, Target):
+        hint = " (load it first: target = specjax.load(path))" if isinstance(target, (str, PathLike)) else ""
+        raise TypeError(f"a chat template is rendered for a specjax Target, got {type(target).__name__}{hint}")
     if target.tokenizer is None:
         raise ValueError(f"{target.path or 'this target'} has no tokenizer.json: a conversation is rendered to text "
                          "and tokenised with the checkpoint's tokenizer; pass token ids instead")

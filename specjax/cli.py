@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -32,8 +33,9 @@ def _generate(args) -> int:
     from specjax import NgramDrafter, generate, load, stream
 
     _check_chat_options(args)
+    _check_draft_options(args)
     _join_job(args)
-    target = load(args.model, attn_impl=args.attn_impl, mesh=_mesh(args))
+    target = load(args.model, dtype=DTYPES[args.dtype], attn_impl=args.attn_impl, mesh=_mesh(args))
     drafter = None
     if args.drafter == "ngram":
         drafter = NgramDrafter()
@@ -47,11 +49,14 @@ def _generate(args) -> int:
               eos_token_id=args.eos, max_len=args.max_len, scheduler=args.scheduler, stop=args.stop or None,
               stop_token_ids=args.stop_token_ids or None, repetition_penalty=args.repetition_penalty,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-              min_tokens=args.min_tokens)
+              min_tokens=args.min_tokens, logprobs=args.logprobs, top_logprobs=args.top_logprobs)
     # every process of a multi-process job decodes the same; process 0 prints
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if args.stream:
         for chunk in stream(target, prompts, **kw):
+            if args.json:
+                say(json.dumps(dataclasses.asdict(chunk)), flush=True)
+                continue
             text = chunk.text if chunk.text is not None else " ".join(map(str, chunk.token_ids))
             if len(prompts) == 1:
                 say(text, end="", flush=True)
@@ -61,11 +66,32 @@ def _generate(args) -> int:
                 say(f"\n--- {chunk.index}: finished ({chunk.finish_reason})", flush=True)
         return 0
     out = generate(target, prompts, **kw)
+    stats = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
+    if args.json:  # one JSON object on stdout: every row's output, and the stats
+        rows = [{"text": None if out.texts is None else out.texts[i], "token_ids": toks,
+                 "finish_reason": out.finish_reasons[i], "stop_reason": out.stop_reasons[i],
+                 **({"logprobs": out.logprobs[i]} if out.logprobs is not None else {}),
+                 **({"top_logprobs": out.top_logprobs[i]} if out.top_logprobs is not None else {})}
+                for i, toks in enumerate(out.tokens)]
+        say(json.dumps({"outputs": rows, "stats": stats}, default=str))
+        return 0
     for i, toks in enumerate(out.tokens):
         say(f"--- {i}: {out.texts[i] if out.texts else ' '.join(map(str, toks))}")
-    stats = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
-    print(json.dumps({**stats, "finish_reasons": out.finish_reasons}, indent=1, default=str))
+        if out.logprobs is not None:
+            say(f"    logprobs: {', '.join(f'{x:.3f}' for x in out.logprobs[i])}")
+    # the statistics go to stderr: stdout holds the text alone
+    say(json.dumps({**stats, "finish_reasons": out.finish_reasons}, indent=1, default=str), file=sys.stderr)
     return 0
+
+
+def _check_draft_options(args) -> None:
+    """--num-draft-tokens, --tree and --scheduler shape speculative decoding: without --drafter they are refused."""
+    given = [flag for flag, value in (("--num-draft-tokens", args.num_draft_tokens), ("--tree", args.tree),
+                                      ("--scheduler", args.scheduler)) if value is not None]
+    if given and not args.drafter:
+        raise ValueError(f"{' and '.join(given)} shape(s) a speculative draft, but no drafter was given: add "
+                         "--drafter DIR (any drafter family's directory, or 'ngram'), or drop "
+                         f"{' and '.join(given)}")
 
 
 def _join_job(args) -> None:
@@ -232,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--logprobs", action="store_true", help="each generated token's log-probability")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="also the N most likely tokens at each position (at most 20)")
+    p.add_argument("--json", action="store_true",
+                   help="print the outputs (text, token ids, finish reasons, logprobs) and stats as JSON on stdout "
+                        "(with --stream: one JSON object a chunk)")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                   help="the target's dtype (default: the checkpoint's)")
     p.add_argument("--eos", type=_eos_ids, default=None,
                    help="EOS token ids, comma-separated, instead of the checkpoint's ('' never stops on EOS)")
     p.add_argument("--drafter", default=None,

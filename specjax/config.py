@@ -12,6 +12,7 @@ Qwen3-Next) carry a `MoeConfig`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Mapping, Tuple, Union
 
@@ -447,7 +448,8 @@ def row_column(config, name: str, n_rows: int, batch: int, dtype, pad) -> np.nda
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    """A finite real number (not a bool): NaN and inf are no setting's value (a NaN temperature ended rows at once)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_integer(x) -> bool:
@@ -481,7 +483,7 @@ class SamplingConfig:
                   for f in dataclasses.fields(self)}
         for t in _values(fields["temperature"]):
             if not _is_number(t) or t < 0:
-                raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
+                raise ValueError(f"temperature must be a number >= 0 (finite; 0 = greedy), got {t!r}")
         for k in _values(fields["top_k"]):
             if not _is_integer(k) or k < 0:
                 raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
@@ -522,7 +524,7 @@ class PenaltyConfig:
                   for f in dataclasses.fields(self)}
         for r in _values(fields["repetition_penalty"]):
             if not _is_number(r) or r <= 0:
-                raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {r!r}")
+                raise ValueError(f"repetition_penalty must be a number > 0 (finite; 1 = off), got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             for v in _values(fields[name]):
                 if not _is_number(v) or not -2.0 <= v <= 2.0:

@@ -18,6 +18,7 @@ import numpy as np
 from specjax.chat import render_prompts
 from specjax.config import PenaltyConfig, SamplingConfig
 from specjax.decoding.drafter import check_drafter_argument
+from specjax.decoding.params import SamplingParams, merged
 from specjax.decoding.plain import plain_generate, plain_run
 from specjax.decoding.request import GenerateOutput, Options, bucket, prepare, row_texts
 from specjax.decoding.speculative import spec_runner, speculative_generate
@@ -32,16 +33,16 @@ __all__ = ["GenerateOutput", "StreamChunk", "bucket", "generate", "stream"]
 # transformers' defaults for a generation config that samples without saying how
 # (GenerationConfig._get_default_generation_params in transformers/generation/configuration_utils.py).
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
-# generate's and stream's keyword options and their defaults (None: from generation_config.json).
-OPTIONS = {"min_p": None, "stop": None, "stop_token_ids": None, "include_stop_str_in_output": False,
-           "skip_special_tokens": True, "logprobs": False, "top_logprobs": 0, "repetition_penalty": None,
-           "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "chat_template_kwargs": None}
 
 
 def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature=None, top_k=None, top_p=None,
-             seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | None = None, tree=None,
+             seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | str | None = None, tree=None,
              eos_token_id: int | Sequence[int] | None = None, max_len: int | None = None, scheduler: str | None = None,
-             scheduler_profile=None, **options) -> GenerateOutput:
+             scheduler_profile=None, *, min_p=None, stop: str | Sequence | None = None,
+             stop_token_ids: Sequence[int] | None = None, include_stop_str_in_output: bool = False,
+             skip_special_tokens: bool = True, logprobs: bool = False, top_logprobs: int = 0, repetition_penalty=None,
+             presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, chat_template_kwargs: dict | None = None,
+             sampling_params: SamplingParams | None = None, max_tokens: int | None = None) -> GenerateOutput:
     """Continue each prompt; greedy when temperature is 0. With a drafter, decode speculatively: the output is the
     same as without one (token for token when greedy, the same distribution when sampling).
 
@@ -67,29 +68,39 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
       (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
       roofline). out.stats["scheduler"] says which was used.
 
-    Keyword options (vLLM's meanings):
+    Keyword-only options (vLLM's meanings):
       min_p; stop (strings matched on the decoded text: the output ends before the first one,
-      include_stop_str_in_output=True keeps it); stop_token_ids (beyond EOS); skip_special_tokens (True: not
+      include_stop_str_in_output=True keeps it; one list for all prompts or one per prompt); stop_token_ids
+      (beyond EOS); skip_special_tokens (True: not
       in out.texts); logprobs=True (out.logprobs: each token's raw log-probability, log-softmax of the target's
-      logits) and top_logprobs=n (out.top_logprobs: the n most likely (id, logprob) at each position);
+      logits) and top_logprobs=n (out.top_logprobs: the n most likely (id, logprob) at each position, n at most
+      MAX_TOP_LOGPROBS = 20, vLLM's cap);
       repetition_penalty (unset: generation_config.json's, else 1), presence_penalty, frequency_penalty,
       min_tokens (per prompt or one value); chat_template_kwargs (template variables for chat prompts, e.g.
       {"enable_thinking": False}). out.finish_reasons[i] is "stop" or "length".
+    sampling_params: a specjax.SamplingParams holding these settings (vLLM's names; max_tokens is max_new_tokens),
+      beside or instead of the keywords; a setting given both ways must agree. Every value is checked before anything
+      runs (specjax/decoding/params.py): NaN, inf, out-of-range or mistyped settings are refused by name. Arrays
+      (NumPy, JAX) are accepted wherever a list is.
     """
-    return _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens,
-                    tree, eos_token_id, max_len, scheduler, scheduler_profile, options).generate()
+    return _resolve(**locals()).generate()
 
 
 def stream(target: Target, prompts: Sequence, max_new_tokens: int = 128, temperature=None, top_k=None, top_p=None,
-           seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | None = None, tree=None,
+           seed: int | Sequence[int] | None = 0, drafter=None, num_draft_tokens: int | str | None = None, tree=None,
            eos_token_id: int | Sequence[int] | None = None, max_len: int | None = None, scheduler: str | None = None,
-           scheduler_profile=None, **options) -> Iterator[StreamChunk]:
+           scheduler_profile=None, *, min_p=None, stop: str | Sequence | None = None,
+           stop_token_ids: Sequence[int] | None = None, include_stop_str_in_output: bool = False,
+           skip_special_tokens: bool = True, logprobs: bool = False, top_logprobs: int = 0, repetition_penalty=None,
+           presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, chat_template_kwargs: dict | None = None,
+           sampling_params: SamplingParams | None = None, max_tokens: int | None = None) -> Iterator[StreamChunk]:
     """`generate`, yielding each prompt's new tokens as the loop produces them (a StreamChunk per prompt with new
-    output: .index, .token_ids, .text, and .finish_reason on its last chunk). The chunks of a prompt concatenate
-    to what generate returns for it, with or without a drafter. The loop runs in chunks of steps that grow until
-    each takes CHUNK_TARGET_S (stream.py), so the first tokens come at once and long runs pay little."""
-    yield from _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens,
-                        tree, eos_token_id, max_len, scheduler, scheduler_profile, options).stream()
+    output: .index, .token_ids, .text, with logprobs=True .logprobs and .top_logprobs of those tokens, and
+    .finish_reason and .stop_reason on its last chunk). The chunks of a prompt concatenate to what generate
+    returns for it, with or without a drafter. The arguments are checked at the call, before the first chunk is
+    asked for. The loop runs in chunks of steps that grow until each takes CHUNK_TARGET_S (stream.py), so the
+    first tokens come at once and long runs pay little."""
+    return _resolve(**locals()).stream()
 
 
 @dataclasses.dataclass
@@ -126,30 +137,34 @@ class _Call:
         return out
 
     def stream(self) -> Iterator[StreamChunk]:
+        """The chunks of this call; the request is prepared (its prompts checked) now, the loop runs as they are
+        asked for."""
         kw = self._kw()
         req = prepare(self.target, self.prompts, kw["max_new_tokens"], kw["sampling"], kw["eos_token_id"],
                       kw["max_len"], kw["seed"], draft_nodes=0 if self.spec is None else self.spec.cache_slots,
                       options=self.options)
-        texts = row_texts(self.target, req)
-        if self.spec is None:
-            run = plain_run(self.target, req, texts)[3]
-        else:
-            run = spec_runner(self.target, req, self.drafter, self.spec, self.scheduler, self._cost()).run(texts)[3]
-        for chunks in run:
-            yield from chunks
+
+        def chunks() -> Iterator[StreamChunk]:
+            texts = row_texts(self.target, req)
+            if self.spec is None:
+                run = plain_run(self.target, req, texts)[3]
+            else:
+                run = spec_runner(self.target, req, self.drafter, self.spec, self.scheduler, self._cost()).run(texts)[3]
+            for some in run:
+                yield from some
+
+        return chunks()
 
 
-def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, drafter, num_draft_tokens, tree,
-             eos_token_id, max_len, scheduler, scheduler_profile, options: dict) -> _Call:
+def _resolve(target, prompts, drafter, num_draft_tokens, tree, max_len, scheduler, scheduler_profile,
+             chat_template_kwargs, sampling_params, **settings) -> _Call:
     """Check every argument and decide the loop (planning "auto" here): the _Call to run."""
-    _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens)
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}; its options are {list(OPTIONS)}")
-    options = {**OPTIONS, **options}
-    sampling = _sampling(target, temperature, top_k, top_p, options["min_p"])
-    prompts = render_prompts(target, prompts, options["chat_template_kwargs"])
-    call = _Call(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, _options(target, options))
+    _check_types(target, max_len, drafter, num_draft_tokens)
+    params = merged(sampling_params, settings).validate(target.cfg.vocab_size)
+    sampling = _sampling(target, params)
+    prompts = render_prompts(target, prompts, chat_template_kwargs)
+    max_new_tokens, seed, eos_token_id = params.max_new_tokens, params.seed, params.eos_token_id
+    call = _Call(target, prompts, max_new_tokens, sampling, seed, eos_token_id, max_len, _options(target, params))
     if scheduler is None and scheduler_profile is not None:
         raise ValueError("scheduler_profile= gives the prefix scheduler its cost curve; pass scheduler='confidence' "
                          "too, or drop scheduler_profile=")
@@ -188,43 +203,41 @@ def _resolve(target, prompts, max_new_tokens, temperature, top_k, top_p, seed, d
     return call
 
 
-def _sampling(target: Target, temperature, top_k, top_p, min_p) -> SamplingConfig:
+def _sampling(target: Target, params: SamplingParams) -> SamplingConfig:
     """The call's sampling: what it gives, else the checkpoint's generation_config.json transformers' way (its values
     only when it says do_sample, with transformers' defaults for those it omits; otherwise greedy)."""
     gen = target.generation_config
     sampled = bool(gen.get("do_sample", False))
     off = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
-    values = {name: value if value is not None else
+    values = {name: getattr(params, name) if getattr(params, name) is not None else
               (gen.get(name) if gen.get(name) is not None else HF_SAMPLING_DEFAULTS[name]) if sampled else off[name]
-              for name, value in given.items()}
+              for name in off}
     return SamplingConfig(**values).validate()
 
 
-def _options(target: Target, o: dict) -> Options:
+def _options(target: Target, params: SamplingParams) -> Options:
     """Penalties (repetition_penalty unset: generation_config.json's, as transformers applies it), stops, logprobs
     and text options of a call."""
-    top = o["top_logprobs"]
-    if not isinstance(top, (int, np.integer)) or isinstance(top, bool) or top < 0:
-        raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
-    repetition = o["repetition_penalty"]
+    repetition = params.repetition_penalty
     if repetition is None:
         repetition = target.generation_config.get("repetition_penalty") or 1.0
-    penalties = PenaltyConfig(repetition, o["presence_penalty"], o["frequency_penalty"], o["min_tokens"])
-    return Options(penalties=penalties, stop=o["stop"] or (), stop_token_ids=tuple(o["stop_token_ids"] or ()),
-                   include_stop_str_in_output=bool(o["include_stop_str_in_output"]),
-                   skip_special_tokens=bool(o["skip_special_tokens"]),
-                   logprobs=int(top) if (o["logprobs"] or top) else -1)
+    penalties = PenaltyConfig(repetition, params.presence_penalty, params.frequency_penalty, params.min_tokens)
+    return Options(penalties=penalties, stop=params.stop, stop_token_ids=params.stop_token_ids or (),
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   skip_special_tokens=params.skip_special_tokens,
+                   logprobs=params.top_logprobs if (params.logprobs or params.top_logprobs) else -1)
 
 
-def _check_types(target, max_new_tokens, max_len, drafter, num_draft_tokens) -> None:
+def _check_types(target, max_len, drafter, num_draft_tokens) -> None:
     """Wrong types get an error that says what to pass, before anything is built."""
     if not isinstance(target, Target):
         hint = " (load the target first: target = specjax.load(path))" if isinstance(target, (str, PathLike)) else ""
         raise TypeError(f"generate's first argument must be a specjax Target, got {type(target).__name__}{hint}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
-        if not _is_int(value) and not (name == "max_len" and value is None):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if max_len is not None:
+        if not _is_int(max_len):
+            raise TypeError(f"max_len must be an int, got {max_len!r} ({type(max_len).__name__})")
+        if max_len <= 0:
+            raise ValueError(f"max_len must be a positive int (a limit on prompt + output tokens), got {max_len}")
     if drafter is not None:
         check_drafter_argument(drafter)
     if num_draft_tokens is not None and num_draft_tokens not in ("auto", "off") and not _is_int(num_draft_tokens):

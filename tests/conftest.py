@@ -48,7 +48,7 @@ def _free_compiled_executables():
 # min). With `--dist loadfile` a file runs whole on one worker in collection order, so a long file collected last
 # (pytest collects alphabetically) leaves the other worker idle at the end; starting the long ones first balances the
 # run.
-LONGEST_FIRST = ("test_moe_speculative.py", "test_planner.py", "test_hybrid_speculative.py", "test_multihost.py",
+LONGEST_FIRST = ("test_engine.py", "test_moe_speculative.py", "test_planner.py", "test_hybrid_speculative.py", "test_multihost.py",
                  "test_moe.py", "test_stop_stream.py", "test_speculative.py", "test_eagle3_tree.py", "test_demo.py",
                  "test_scheduler.py", "test_sharding.py")
 

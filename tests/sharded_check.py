@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEVICES = 8
-PARTS = ("dense", "heads", "hybrid", "moe", "kernel")
+PARTS = ("dense", "heads", "hybrid", "moe", "kernel", "engine", "quantized")
 
 
 def run_part(part: str, workdir: Path, timeout: int = 900) -> tuple[dict, float]:
@@ -520,6 +520,90 @@ def part_kernel(work: Path, checks: Checks) -> None:
                calls[0][-400:] if calls else "no call")
 
 
+# ---- part "engine": specjax.Engine on a mesh (slots split over "data", kv heads over "model") ------------------
+
+
+def part_engine(work: Path, checks: Checks) -> None:
+    """Greedy requests through the engine at TP 2 and DP 2 x TP 4, with a draft model whose shape switches between
+    off and a chain at random, equal one device's plain decoding; no compile after warmup."""
+    import random
+
+    from hf_tiny import build_hf_model, save_hf_model
+
+    import specjax
+    from specjax.models.sharding import tensor_parallel_mesh
+
+    target_dir = save_hf_model(build_hf_model("qwen2", seed=5, num_attention_heads=8, num_key_value_heads=4,
+                                              num_hidden_layers=2, intermediate_size=128), work / "dense")
+    draft_dir = save_hf_model(build_hf_model("llama", seed=6, num_hidden_layers=1, hidden_size=32,
+                                             intermediate_size=64), work / "draft")
+    prompts = prompts_for(256) + [[5, 6, 7, 8, 9]]
+    budgets = [10, 6, 12, 8]
+    one = load_on(target_dir, None)
+    want = [specjax.generate(one, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in zip(prompts, budgets)]
+    meshes_ = {"tp2": tensor_parallel_mesh(2), "dp2_tp4": jax_mesh((2, 4))}
+    for name, mesh in meshes_.items():
+        target = load_on(target_dir, mesh)
+        draft = specjax.load_drafter(draft_dir, target)
+        with specjax.Engine(target, draft, max_slots=4, max_len=32, auto_chains=(2,), sampling=False,
+                            max_prefill_batch=2) as engine:
+            engine.warmup()
+            compiles = engine.stats()["compiles"]
+            rng = random.Random(0)
+            engine.policy.choose = lambda nb, live, current: rng.choice(engine.labels)
+            handles = [engine.submit(p, max_new_tokens=n, temperature=0.0) for p, n in zip(prompts, budgets)]
+            got = [h.result(timeout=600).tokens for h in handles]
+            # the engine keeps the checkpoint's EOS: compare up to where it stopped
+            checks.add(f"engine/{name} equals one device", all(g == w[:len(g)] for g, w in zip(got, want)),
+                       f"got {got} want {want}")
+            late = engine._compiled[compiles:]
+            checks.add(f"engine/{name} compiles after warmup", not late, f"compiled after warmup: {late}")
+
+
+def jax_mesh(shape):
+    import jax
+
+    return jax.make_mesh(shape, ("data", "model"))
+
+
+def part_quantized(work: Path, checks: Checks) -> None:
+    """A block FP8 target (32 x 32 blocks) at TP 2 and DP 2 x TP 4: outputs equal one device's; each quantized
+    weight's values split as the plain weight would be, its scales with their blocks (TP 2: a device's 32 columns
+    of wq are one block column, so both split; TP 4: 16 columns would cut a block, so wq and its scales stay whole;
+    w_down's 128 rows split in whole blocks at both)."""
+    from hf_quant import write_block_fp8
+    from hf_tiny import build_hf_model, save_hf_model
+
+    import specjax
+
+    target_dir = write_block_fp8(build_hf_model("qwen2", seed=5, num_attention_heads=8, num_key_value_heads=4,
+                                                num_hidden_layers=2, intermediate_size=128), work / "fp8",
+                                 block=(32, 32))
+    draft_dir = save_hf_model(build_hf_model("llama", seed=6, num_hidden_layers=1, hidden_size=32,
+                                             intermediate_size=64), work / "draft")
+    prompts = prompts_for(256)
+    kw = dict(max_new_tokens=10, eos_token_id=[])
+    one = load_on(target_dir, None, dtype="float32")  # fp32 compute: bf16 sums in another order flip near ties
+    want = specjax.generate(one, prompts, **kw).tokens
+    for name, (mesh, _) in meshes().items():
+        if name == "tp8":
+            continue
+        target = load_on(target_dir, mesh, dtype="float32")
+        draft = specjax.load_drafter(draft_dir, target)
+        checks.same(f"quantized/{name}/plain equals one device", specjax.generate(target, prompts, **kw).tokens, want)
+        checks.same(f"quantized/{name}/draft chain equals one device",
+                    specjax.generate(target, prompts, drafter=draft, num_draft_tokens=3, **kw).tokens, want)
+        n = model_size(mesh)
+        layer = target.params["layers"][0]
+        wq, w_down = layer["wq"], layer["w_down"]
+        checks.same(f"quantized/{name}/wq values and scales", (spec_of(wq.q), spec_of(wq.scale)),
+                    ((None, "model"), (None, "model")) if n == 2 else ((None, None), (None, None)))
+        checks.same(f"quantized/{name}/w_down values and scales", (spec_of(w_down.q), spec_of(w_down.scale)),
+                    (("model", None), ("model", None)))
+        checks.same(f"quantized/{name}/w_down shard", tuple(w_down.q.addressable_shards[0].data.shape),
+                    (128 // n, 64))
+
+
 def main(part: str, workdir: str) -> None:
     import jax
 
@@ -531,7 +615,7 @@ def main(part: str, workdir: str) -> None:
     work.mkdir(parents=True, exist_ok=True)
     checks = Checks()
     {"dense": part_dense, "heads": part_heads, "hybrid": part_hybrid, "moe": part_moe,
-     "kernel": part_kernel}[part](work, checks)
+     "kernel": part_kernel, "engine": part_engine, "quantized": part_quantized}[part](work, checks)
     print(json.dumps({"checks": checks.results, "seconds": time.perf_counter() - start}))
 
 

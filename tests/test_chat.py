@@ -196,6 +196,17 @@ def test_qwen3_enable_thinking_false_closes_an_empty_think_block(qwen3):
     assert '"description": "Météo <now> & \\"then\\""' in chat.chat_text(qwen3, [USER], tools=TOOLS)  # tojson as is
 
 
+def test_tokenize_false_returns_the_text_as_transformers(qwen3):
+    """Issue 44: specjax.apply_chat_template(target, chat, tokenize=False) is transformers' rendered text (it was passed
+    to the template as a variable, and ids came back); specjax.chat_text is the same function."""
+    ids, text = transformers_ids(qwen3.path, [USER], enable_thinking=False)
+    assert specjax.apply_chat_template(qwen3, [USER], tokenize=False, enable_thinking=False) == text
+    assert specjax.chat_text(qwen3, [USER], enable_thinking=False) == text
+    assert specjax.apply_chat_template(qwen3, [USER], tokenize=True, enable_thinking=False) == ids
+    with pytest.raises(TypeError, match="tokenize must be True"):
+        specjax.apply_chat_template(qwen3, [USER], tokenize="no")
+
+
 def test_llama_dates(llama31, llama32):
     """Llama 3.1's date is date_string, "26 Jul 2024" by default; Llama 3.2's is today's through strftime_now."""
     assert "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n" in chat.chat_text(llama31, [USER])

@@ -14,6 +14,7 @@ PACKAGE = ROOT / "specjax"
 RANKS = {
     "config": 0, "compile_cache": 0, "kernels": 0,
     "multihost": 0,   # what crosses processes in a jax.distributed job (results, agreed decisions, moves)
+    "quant": 0,       # quantized weights (QuantizedWeight) that models multiply and convert reads checkpoints into
     "models": 1,      # the Flax target and its KV cache
     "chat": 1,        # chat templates: a conversation -> prompt ids (below decoding's request.py, above Target)
     "decoding": 2,    # the plain and speculative loops, drafts, verification, sampling, trees, statistics

@@ -42,7 +42,7 @@ def test_every_weight_names_its_axes(target, drafters):
         assert found, name
         for path, var in found:
             axes = var.get_metadata()["out_sharding"]
-            assert len(axes) == var.value.ndim and set(axes) <= AXES, (name, path, axes, var.value.shape)
+            assert len(axes) == var[...].ndim and set(axes) <= AXES, (name, path, axes, var[...].shape)
 
 
 def test_stacked_layers_name_their_layer_axis(target):

@@ -154,9 +154,9 @@ def test_cli_generate_passes_every_option(monkeypatch, capsys):
     assert cli_main(args) == 0
     assert seen["prompts"] == ["a", "b"] and type(seen["drafter"]).__name__ == "NgramDrafter"
     assert seen["num_draft_tokens"] == "auto" and seen["eos_token_id"] == [0, 5] and seen["max_len"] == 256
-    assert cli_main(args[:4] + ["--tree", "auto", "--scheduler", "confidence"]) == 0
+    assert cli_main(args[:8] + ["--tree", "auto", "--scheduler", "confidence"]) == 0
     assert seen["tree"] == "auto" and seen["scheduler"] == "confidence"
-    assert cli_main(args[:4] + ["--num-draft-tokens", "off", "--eos", ""]) == 0
+    assert cli_main(args[:8] + ["--num-draft-tokens", "off", "--eos", ""]) == 0
     assert seen["num_draft_tokens"] == "off" and seen["eos_token_id"] == []
     assert cli_main(args[:4] + ["--stop", "\n\n", "--stop", "END", "--stop-token-ids", "7", "--temperature", "0.7",
                                 "--min-p", "0.05", "--repetition-penalty", "1.1", "--min-tokens", "2"]) == 0

@@ -184,8 +184,8 @@ def test_cli_streams_and_stops(target, plain, capsys):
     assert main(args + ["--stream"]) == 0
     assert capsys.readouterr().out == before + "\n--- 0: finished (stop)\n"
     assert main(args) == 0
-    printed = capsys.readouterr().out
-    assert f"--- 0: {before}\n" in printed and '"finish_reasons": [\n  "stop"\n ]' in printed
+    printed = capsys.readouterr()  # the text on stdout, the statistics on stderr
+    assert f"--- 0: {before}\n" in printed.out and '"finish_reasons": [\n  "stop"\n ]' in printed.err
 
 
 def test_stream_with_the_prefix_scheduler_equals_generate(target):

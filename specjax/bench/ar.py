@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -364,6 +365,11 @@ def describe_plan(bc: ArBenchConfig) -> str:
             f"1 warm-up + median of {bc.repeats}; jax backend {jax.default_backend()}")
 
 
+# Below this many new tokens the ratio to transformers is mostly per-call overhead (a few tokens once read 10x where
+# 128 tokens gave 1.9x): main says so.
+SHORT_RUN_TOKENS = 64
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `ar` subcommand's options (scripts/bench.py registers them)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny20m")
@@ -392,6 +398,10 @@ def main(args: argparse.Namespace) -> int:
     if bc.compare_hf and bc.preset not in GPU_PRESETS and not (find_spec("torch") and find_spec("transformers")):
         raise ValueError("the CPU presets compare against transformers, which needs torch and transformers "
                          "(pip install torch==2.13.0 transformers); or pass --no-hf to time specjax alone")
+    if bc.compare_hf and bc.max_new_tokens < SHORT_RUN_TOKENS:
+        print(f"note: --max-new-tokens {bc.max_new_tokens} is a short run: each call's fixed costs (transformers' "
+              f"generate set-up, the prefill) weigh more than the decode, which exaggerates the ratio to "
+              f"transformers; decode {SHORT_RUN_TOKENS} tokens or more for a figure to quote", file=sys.stderr)
     if args.dry_run:
         print(describe_plan(bc))
         return 0

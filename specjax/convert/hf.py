@@ -31,6 +31,7 @@ from specjax.config import ModelConfig
 from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
 from specjax.convert.lazy import LazyTensors, stack
 from specjax.convert.mtp import read_mtp
+from specjax.convert.quantized import QuantScheme, read_linear, read_scheme, uniform_layers
 from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
 from specjax.models.model import param_shapes
 
@@ -45,6 +46,9 @@ _HARMLESS = (
 # Recognised here, read by convert/mtp.py.
 _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+# The dense decoder layer's linear weights: the ones that may stay quantized (models/decoder.py multiplies them
+# with `x @ w`); which of them are quantized is read from the tensors themselves.
+_DENSE_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
 logger = logging.getLogger("specjax")
 
@@ -55,7 +59,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: di
     MTP tensors become `params["mtp"]` (convert/mtp.py; `hf_config` gives their layer count).
     Raises ValueError naming any other tensor the config does not account for (see the module docstring).
     """
-    params, used = take_params(tensors, cfg)
+    params, used = take_params(tensors, cfg, read_scheme(hf_config or {}))
     if cfg.is_hybrid:  # a multimodal checkpoint's vision tower: specjax runs the text model only
         vision = [n for n in tensors if n.startswith(VISION_PREFIX)]
         if vision:
@@ -71,13 +75,31 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: di
     return params
 
 
-def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[str, np.ndarray], set[str]]:
-    """(the param tree the config asks for, the tensor names it used); a missing or mis-shaped one is an error."""
+def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, scheme: QuantScheme | None = None
+                ) -> tuple[dict[str, np.ndarray], set[str]]:
+    """(the param tree the config asks for, the tensor names it used); a missing or mis-shaped one is an error.
+
+    With a quantization `scheme` (convert/quantized.py), a dense decoder layer's linear weight stored quantized
+    stays a QuantizedWeight (its [in, out] values and scales); any other quantized weight (an MoE's experts, a
+    hybrid's projections, the lm_head) is dequantized to the config's dtype here.
+    """
     dtype = NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        if scheme is not None and name.endswith(".weight"):
+            qw, names = read_linear(tensors, name[: -len(".weight")], scheme, cfg.dtype)
+            if qw is not None:
+                want = shape if transpose else shape[::-1]  # [in, out]
+                if qw.shape != tuple(want):
+                    raise ValueError(f"quantized weight '{name}' has shape {list(qw.shape[::-1])}; the config "
+                                     f"implies {list(want[::-1])}")
+                used.update(names)
+                if transpose and not cfg.is_hybrid and _DENSE_LINEAR.fullmatch(name):
+                    return qw
+                w = qw.dequantize(dtype)
+                return w if transpose else w.T
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor '{name}' (expected by the config, shape {shape})")
         t = tensors[name].T if transpose else tensors[name]
@@ -95,7 +117,8 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> tuple[dict[
                   for i in range(cfg.num_layers)}
     else:
         one = jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=lambda x: isinstance(x, tuple))
-        per_layer = [take_layer(take, tensors, f"model.layers.{i}.", one) for i in range(cfg.num_layers)]
+        per_layer = uniform_layers([take_layer(take, tensors, f"model.layers.{i}.", one)
+                                    for i in range(cfg.num_layers)], dtype)
         layers = jax.tree.map(lambda *xs: stack(xs), *per_layer)
     params = {
         "embed": take("model.embed_tokens.weight", shapes["embed"], False),

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from specjax.convert.lazy import RAW_DTYPES, read_raw
 from specjax.convert.moe import take_moe
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -94,7 +95,8 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
     """One file's tensors; a truncated or corrupt file is a one-line ValueError naming it, not a traceback."""
     try:
         with safe_open(str(file), framework="np") as st:
-            return {name: st.get_tensor(name) for name in st.keys()}
+            return {name: read_raw(file, name) if st.get_slice(name).get_dtype() in RAW_DTYPES else st.get_tensor(name)
+                    for name in st.keys()}
     except (SafetensorError, OSError) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ValueError(f"{file}: not a readable safetensors file ({reason}); it may be truncated or corrupt "

@@ -10,6 +10,7 @@ fused projections) are `deferred`: they read their source tensors whole when pla
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -20,6 +21,24 @@ from safetensors import SafetensorError, safe_open
 # safetensors' dtype names -> numpy
 ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+# dtypes safetensors' numpy reader does not know (it looks them up on numpy): read from the file's bytes.
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+ST_DTYPES.update(RAW_DTYPES)
+
+
+def read_raw(file: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file as a read-only memory map of its bytes (FP8 weights: `RAW_DTYPES`)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    info = header[name]
+    start, stop = info["data_offsets"]
+    dtype = np.dtype(RAW_DTYPES[info["dtype"]])
+    count = int(np.prod(info["shape"], dtype=np.int64))
+    if stop - start != count * dtype.itemsize or 8 + size + stop > Path(file).stat().st_size:
+        raise ValueError(f"{file}: tensor '{name}' is truncated ({stop - start} bytes for shape {info['shape']}); "
+                         "re-download or re-save it")
+    return np.memmap(file, dtype=dtype, mode="r", offset=8 + size + start, shape=tuple(info["shape"]))
 
 
 class LazyArray:
@@ -100,6 +119,8 @@ class Stored(LazyArray):
     def read(self, index):
         handle = self.files.handle(self.file)
         try:
+            if self.dtype in RAW_DTYPES.values():
+                return np.asarray(read_raw(self.file, self.name)[index])
             if not self.shape:
                 return np.asarray(handle.get_tensor(self.name))
             return np.asarray(handle.get_slice(self.name)[index])

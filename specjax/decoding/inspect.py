@@ -9,6 +9,7 @@ drafter's confidences when it has them, and the whole tree when a tree was asked
 from __future__ import annotations
 
 import dataclasses
+import html
 from functools import partial
 from typing import Sequence
 
@@ -35,6 +36,29 @@ class DraftInspection:
     confidence: np.ndarray | None  # float32 [N - 1]: P(accept | prefix accepted), for drafters that estimate it
     tree_tokens: np.ndarray  # int [N]: root first
     tree_parents: np.ndarray  # int [N]: -1 for the root
+
+    def __repr__(self) -> str:
+        """One line: the root, the drafted tokens (the first 16) and confidences; shapes, not whole logit arrays."""
+        toks = self.tokens.tolist()
+        shown = ", ".join(map(str, toks[:16])) + (f", ... ({len(toks)} in all)" if len(toks) > 16 else "")
+        parts = [f"root={self.root}", f"tokens=[{shown}]"]
+        if self.confidence is not None:
+            parts.append("confidence=[" + ", ".join(f"{c:.2f}" for c in self.confidence[:16].tolist())
+                         + (", ..." if len(toks) > 16 else "") + "]")
+        if self.logits is not None:
+            parts.append(f"logits=<{self.logits.dtype} {list(self.logits.shape)}>")
+        if len(self.tree_tokens) != len(toks) + 1 or any(p != i - 1 for i, p in enumerate(self.tree_parents.tolist())):
+            parts.append(f"tree of {len(self.tree_tokens)} nodes")
+        return f"DraftInspection({', '.join(parts)})"
+
+    def _repr_html_(self) -> str:
+        """A notebook cell: one row per drafted node (the first 64): its token, parent and confidence."""
+        conf = self.confidence.tolist() if self.confidence is not None else [None] * len(self.tokens)
+        rows = "".join(f"<tr><td>{i + 1}</td><td>{t}</td><td>{p}</td><td>{'-' if c is None else f'{c:.3f}'}</td></tr>"
+                       for i, (t, p, c) in enumerate(zip(self.tokens.tolist(), self.tree_parents[1:].tolist(), conf))
+                       if i < 64)
+        return (f"<div><code>{html.escape(repr(self))}</code><table><tr><th>node</th><th>token</th><th>parent</th>"
+                f"<th>confidence</th></tr>{rows}</table></div>")
 
 
 @partial(jax.jit, static_argnames=("lc", "drafter"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import numbers
 import secrets
 import time
 from typing import Any, NamedTuple, Sequence
@@ -83,17 +84,25 @@ def round_cache_length(n: int) -> int:
 
 def prompt_ids(target: Target, prompts: Sequence, chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Each prompt's ids: a string encoded, a conversation (a list of {"role", "content"} messages) rendered by the
-    checkpoint's chat template with chat_template_kwargs (specjax/chat.py), token ids as they are."""
+    checkpoint's chat template with chat_template_kwargs (specjax/chat.py), token ids (a list or an integer array,
+    NumPy or JAX; a 2-d array is one prompt a row) as they are."""
+    prompts = _arrays_as_lists(prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists or a list of strings")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
+    prompts = [_arrays_as_lists(p) for p in prompts]
     odd = [p for p in prompts if not isinstance(p, str) and (isinstance(p, bytes) or not isinstance(p, Sequence))]
     if odd:
         raise ValueError(f"prompts must be a list of prompts, each a string, a list of token ids or a conversation; got "
                          f"an element of type {type(odd[0]).__name__}: wrap one prompt of token ids as [ids], one "
                          f"conversation as [messages]")
     prompts = render_prompts(target, prompts, chat_template_kwargs)
+    for i, p in enumerate(prompts):
+        bad = [] if isinstance(p, str) else [t for t in p if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(f"prompt {i} has token ids that are not integers: {bad[:5]}; pass int token ids (or an "
+                            f"integer array)")
     ids = [target.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for i, row in enumerate(ids):
         if not row:
@@ -103,6 +112,14 @@ def prompt_ids(target: Target, prompts: Sequence, chat_template_kwargs: dict | N
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.cfg.vocab_size})")
     refuse_media_tokens(target, ids)
     return ids
+
+
+def _arrays_as_lists(value: Any) -> Any:
+    """An array (NumPy, JAX) of token ids as nested lists of Python ints (floats, bools kept, to be refused by name);
+    anything else as it is."""
+    if hasattr(value, "__array__") and not isinstance(value, (str, bytes, Sequence)):
+        return np.asarray(value).tolist()
+    return value
 
 
 MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id")
@@ -215,7 +232,7 @@ class Options:
     """What a call asks beyond sampling: penalties, stops, logprobs and how text is made (all per call)."""
 
     penalties: PenaltyConfig = PenaltyConfig()
-    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text
+    stop: tuple = ()  # stop strings matched on the decoded text: one tuple for all prompts, or one per prompt
     stop_token_ids: tuple[int, ...] = ()  # stop tokens beyond EOS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -224,10 +241,12 @@ class Options:
     def validate(self, vocab: int, has_tokenizer: bool) -> "Options":
         if isinstance(self.stop, str):
             return dataclasses.replace(self, stop=(self.stop,)).validate(vocab, has_tokenizer)
-        bad = [s for s in self.stop if not isinstance(s, str) or not s]
+        stops = [s for row in (self.stop if self.per_prompt_stops else (self.stop,)) for s in row]
+        bad = [s for s in stops if not isinstance(s, str) or not s]
         if bad:
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
-        if self.stop and not has_tokenizer:
+            raise ValueError(f"stop must be a list of non-empty strings (or one such list per prompt), got "
+                             f"{list(self.stop)!r}")
+        if stops and not has_tokenizer:
             raise ValueError("stop strings are matched on decoded text, but this target has no tokenizer: pass "
                              "stop_token_ids= instead")
         ids = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
@@ -236,6 +255,16 @@ class Options:
             raise ValueError(f"stop_token_ids {ids} are not token ids of this vocabulary [0, {vocab})")
         return dataclasses.replace(self, penalties=self.penalties.validate(), stop=tuple(self.stop),
                                    stop_token_ids=tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def per_prompt_stops(self) -> bool:
+        return bool(self.stop) and not isinstance(self.stop[0], str)
+
+    def row_stops(self, n_rows: int) -> tuple[tuple[str, ...], ...]:
+        """Each prompt's stop strings: `stop` is one list for all prompts, or one list per prompt."""
+        if self.per_prompt_stops:
+            return tuple(tuple(s) for s in per_row(tuple(self.stop), n_rows, "stop"))
+        return (tuple(self.stop),) * n_rows
 
 
 class LoopArrays(NamedTuple):
@@ -287,6 +316,7 @@ def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: Sa
     max_new_tokens): a short run then shares a longer one's executable (calibration.run_times times both)."""
     ids = prompt_ids(target, prompts)
     options = (options or Options()).validate(target.cfg.vocab_size, target.tokenizer is not None)
+    options.row_stops(len(ids))  # one stop list per prompt, when per prompt
     sampling = sampling.validate()
     shaped_for = max(max_new_tokens, token_bucket) if token_bucket else max_new_tokens
     cache_len = cache_length(target, ids, shaped_for, max_len, draft_nodes)
@@ -349,7 +379,8 @@ def row_texts(target: Target, req: Request) -> list[RowText]:
     """Each prompt's incremental text and stop-string state (stream.RowText), with the call's options."""
     o = req.options
     min_tokens = per_row(o.penalties.min_tokens, len(req.ids), "min_tokens")
-    return [RowText(target, o.stop, o.include_stop_str_in_output, o.skip_special_tokens, m) for m in min_tokens]
+    return [RowText(target, stop, o.include_stop_str_in_output, o.skip_special_tokens, m)
+            for stop, m in zip(o.row_stops(len(req.ids)), min_tokens)]
 
 
 def run_loop(target: Target, req: Request, key: tuple, whole, start, advance, args: tuple, advance_args,

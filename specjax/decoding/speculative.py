@@ -139,14 +139,23 @@ def start_rows(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Draft
                prompt_len_B, max_new_B, seeds_B, fold_B):
     """What every speculative start does (the loop's, the engine's prefill): per-row keys, the prefilled cache, the
     first token (FirstToken) and the drafter's init over the prompt (None without a drafter)."""
-    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
     cache = model.init_cache(prompt_BT.shape[0], lc.cache_len)
     capture = () if drafter is None else drafter.feature_layers
     logits_BV, prompt_features, cache = prefill(model, lc, cache, prompt_BT, prompt_len_B, capture=capture)
+    keys_B, first, dstate = first_and_init(lc, rows, drafter, draft_params, logits_BV, prompt_features, prompt_BT,
+                                           prompt_len_B, max_new_B, seeds_B, fold_B)
+    return keys_B, cache, first, dstate
+
+
+def first_and_init(lc: LoopConfig, rows: RowSettings, drafter: Drafter | None, draft_params, logits_BV,
+                   prompt_features, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B):
+    """After a prefill (whole, or the last piece of a chunked one): per-row keys, the first token and the drafter's
+    init over the whole prompt and its features."""
+    keys_B, sub_B = split_rows(row_keys(seeds_B, fold_B), 2)
     first = first_token(lc, rows, sub_B, logits_BV, prompt_BT, prompt_len_B, max_new_B)
     dstate = None if drafter is None else drafter.init(draft_params, PrefillContext(prompt_BT, prompt_len_B,
                                                                                     first.tok_B, prompt_features))
-    return keys_B, cache, first, dstate
+    return keys_B, first, dstate
 
 
 def spec_start(model: Decoder, lc: LoopConfig, rows: RowSettings, drafter: Drafter, draft_params, prompt_BT,

@@ -34,12 +34,17 @@ MAX_CHUNK_STEPS = 256
 
 @dataclasses.dataclass
 class StreamChunk:
-    """New output of one prompt: its token ids and text since the last chunk; finish_reason on its last chunk."""
+    """New output of one prompt: its token ids and text since the last chunk; finish_reason and stop_reason on its
+    last chunk. With logprobs, each new token's log-probability and (top_logprobs=n) its n most likely (id,
+    logprob) pairs, as GenerateOutput.logprobs / .top_logprobs hold them per token."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended the row (last chunk; vLLM's)
 
 
 class RowText:
@@ -132,7 +137,7 @@ class ChunkedRun:
     def _take(self, snap) -> tuple[list[StreamChunk], list[int]]:
         """Read a snapshot of the loop's outputs, push each row's new tokens, hand out chunks: (chunks, the rows a
         stop string ended now)."""
-        out_BO, count_B, done_B = to_host(snap)
+        out_BO, count_B, done_B, lp = to_host(snap)
         stopped_now = []
         chunks = []
         for i, row in enumerate(self.rows):
@@ -144,10 +149,19 @@ class ChunkedRun:
                     stopped_now.append(i)
                     break
             self.finished[i] = row.stopped or bool(done_B[i])
+            first = row.sent_tokens
             tokens, text = row.new_output(self.finished[i])
             if tokens or text or self.finished[i]:
-                reason = finish_reason(row.tokens, row.stop_reason, self.stop_ids)[0] if self.finished[i] else None
-                chunks.append(StreamChunk(i, tokens, text, reason))
+                reason, stop = finish_reason(row.tokens, row.stop_reason, self.stop_ids) if self.finished[i] else \
+                    (None, None)
+                chunk = StreamChunk(i, tokens, text, reason, stop_reason=stop)
+                if lp is not None:
+                    end = first + len(tokens)
+                    chunk.logprobs = lp.token_BO[i, first:end].tolist()
+                    if lp.top_BOK.shape[-1] > 0:
+                        chunk.top_logprobs = [list(zip(lp.top_ids_BOK[i, j].tolist(), lp.top_BOK[i, j].tolist()))
+                                              for j in range(first, end)]
+                chunks.append(chunk)
         return chunks, stopped_now
 
     @property
@@ -166,11 +180,12 @@ def finish_reason(tokens: list[int], stop_string: str | None, stop_ids) -> tuple
 
 
 @jax.jit
-def _copy(out_BO, count_B, done_B):
+def _copy(out_BO, count_B, done_B, logprobs):
     """Copies of a state's output buffers (the state itself is donated to the next chunk)."""
-    return out_BO, count_B, done_B
+    return out_BO, count_B, done_B, logprobs
 
 
 def _snapshot(state):
-    """The buffers the host reads, copied on the device (dispatched, not waited for)."""
-    return _copy(state.out_BO, state.count_B, state.done_B)
+    """The buffers the host reads (logprobs: None without them), copied on the device (dispatched, not waited
+    for)."""
+    return _copy(state.out_BO, state.count_B, state.done_B, state.logprobs)

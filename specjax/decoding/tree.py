@@ -161,8 +161,11 @@ def from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
             raise ValueError(f"tree choice {list(path)} lacks its parent path {list(path[:-1])}")
         index[path] = len(parents)
         parents.append(index[path[:-1]])
-    for parent_path in index:
-        ranks = sorted(p[-1] for p in paths if p[:-1] == parent_path)
+    children: dict[tuple[int, ...], list[int]] = {}  # grouped in one pass: the planner rebuilds trees of 512 nodes
+    for path in paths:
+        children.setdefault(path[:-1], []).append(path[-1])
+    for parent_path, ranks in children.items():
+        ranks = sorted(ranks)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"children of {list(parent_path)} have ranks {ranks}; they must be 0..{len(ranks) - 1}")
     return TreeSpec(tuple(parents))

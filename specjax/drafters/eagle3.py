@@ -264,13 +264,13 @@ def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
     head = Eagle3Head(cfg, rngs=rngs, scale=cfg.hidden_size ** -0.5, embed=embed,
                       d2t=used - jnp.arange(cfg.draft_vocab_size))
     if head.lm_head is not None:
-        head.lm_head.value = normal(rngs, head.lm_head.shape, dtype, 1.0)
+        head.lm_head.set_value(normal(rngs, head.lm_head.shape, dtype, 1.0))
     layers = [head.layer, *(head.extra_layers or ())]
     norms = [head.final_norm, head.layer.embed_norm, head.layer.hidden_norm]
     norms += [n for layer in layers for n in (layer.mlp_norm, layer.attn_norm, layer.q_norm, layer.k_norm)
               if n is not None]
     for norm in norms:
-        norm.value = 1.0 + normal(rngs, norm.shape, dtype, 0.1)
+        norm.set_value(1.0 + normal(rngs, norm.shape, dtype, 0.1))
     return to_params(head)
 
 

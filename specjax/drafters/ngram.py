@@ -45,7 +45,9 @@ class NgramDrafter:
 
     def init(self, params, ctx: PrefillContext):
         b, t = ctx.prompt.shape
-        hist_BH = jnp.zeros((b, t + self.settings.max_new_tokens + self.settings.tree.num_nodes), jnp.int32)
+        # The history holds at most the cached sequence, the root and a draft: sized by the cache, not the prompt
+        # bucket, so every prefill of a loop (the engine's, at any prompt bucket) gives one state shape.
+        hist_BH = jnp.zeros((b, self.settings.cache_len + self.settings.tree.num_nodes), jnp.int32)
         hist_BH = hist_BH.at[:, :t].set(ctx.prompt)
         return hist_BH, ctx.prompt_len
 

@@ -41,12 +41,43 @@ def reference_table(continuations: Sequence[Sequence[int]]) -> np.ndarray:
     return ref
 
 
-def reference_start(params, ctx: PrefillContext) -> jax.Array:
-    """A replay drafter's state after prefill: the reference index of the token after the root, per row."""
+def reference_start(params, ctx: PrefillContext):
+    """A replay drafter's state after prefill: the reference index of the token after the root, per row.
+
+    With params["prompts"] (`replay_drafter(..., prompts=)`) each row's continuation is found by its prompt, not by
+    its place in the batch (the engine puts a request in any slot): the state is then (reference row, index), the
+    row the stored prompt that the row's sequence starts with (the longest, if several), the index past what the
+    row already decoded (a catch-up hands init the prompt and the output so far)."""
+    if "prompts" in params:
+        prompts_RP, len_R = params["prompts"], params["prompt_len"]
+        b, t = ctx.prompt.shape
+        p = prompts_RP.shape[1]
+        seq_BP = jnp.pad(ctx.prompt, ((0, 0), (0, max(0, p - t))))[:, :p]
+        inside_RP = jnp.arange(p)[None, :] < len_R[:, None]
+        match_BR = jnp.all((seq_BP[:, None, :] == prompts_RP[None]) | ~inside_RP[None], axis=-1)
+        match_BR &= ctx.prompt_len[:, None] >= len_R[None, :]
+        row_B = jnp.argmax(jnp.where(match_BR, len_R[None, :], -1), axis=-1).astype(jnp.int32)
+        return row_B, 1 + ctx.prompt_len - len_R[row_B]
     if params["reference"].shape[0] != ctx.prompt.shape[0]:
         raise ValueError(f"replay reference has {params['reference'].shape[0]} rows; the padded batch has "
                          f"{ctx.prompt.shape[0]}: build it from plain decoding of these prompts")
     return jnp.ones((ctx.prompt.shape[0],), jnp.int32)
+
+
+def reference_rows(params, state) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each row's reference [B, M], its index [B], its corrupt_prob or alpha value) for either kind of state."""
+    rate = params.get("corrupt_prob", params.get("alpha"))
+    if isinstance(state, tuple):
+        row_B, index_B = state
+        return params["reference"][row_B], index_B, rate if jnp.ndim(rate) == 0 else rate[row_B]
+    return params["reference"], state, rate
+
+
+def reference_advance(state, num_accepted_B: jax.Array):
+    """The state after a round that accepted num_accepted_B tokens (root included)."""
+    if isinstance(state, tuple):
+        return state[0], state[1] + num_accepted_B
+    return state + num_accepted_B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,26 +115,26 @@ class ReplayDrafter:
         return reference_start(params, ctx)
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
-        ref_BM = params["reference"]
+        ref_BM, index_B, corrupt = reference_rows(params, state)
         b, m = ref_BM.shape
         k = self.settings.tree.num_nodes - 1
-        idx_BK = state[:, None] + jnp.arange(k)[None, :]
+        idx_BK = index_B[:, None] + jnp.arange(k)[None, :]
         drafts_BK = jnp.take_along_axis(ref_BM, jnp.clip(idx_BK, 0, m - 1), axis=1)
         flip_keys_B, tok_keys_B = split_rows(keys_B, 2)
-        flip_BK = uniform_rows(flip_keys_B, (b, k)) < params["corrupt_prob"]
+        flip_BK = uniform_rows(flip_keys_B, (b, k)) < corrupt
         offset_BK = jax.vmap(lambda kk: jax.random.randint(kk, (k,), 1, self.vocab_size))(tok_keys_B)
         other_BK = (drafts_BK + offset_BK) % self.vocab_size
         drafts_BK = jnp.where(flip_BK, other_BK, drafts_BK)
         tokens_BN = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
         valid_BN = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), idx_BK < m], axis=1)
-        confidence_BN = self._confidence(params, keys_B, valid_BN) if self.confidence else None
+        confidence_BN = self._confidence(params, corrupt, keys_B, valid_BN) if self.confidence else None
         return Draft(tokens_BN.astype(jnp.int32), spec_arrays(self.settings.tree, b), valid_BN,
                      confidence=confidence_BN), state
 
-    def _confidence(self, params, keys_B, valid_BN):
+    def _confidence(self, params, corrupt, keys_B, valid_BN):
         """float32 [B, N]: root 1; draft k: 1 - corrupt_prob (+ noise, clipped to [0.01, 0.99]); 0 when invalid."""
         b, n = valid_BN.shape
-        true_BN = jnp.broadcast_to(1.0 - jnp.asarray(params["corrupt_prob"], jnp.float32), (b, n))
+        true_BN = jnp.broadcast_to(1.0 - jnp.asarray(corrupt, jnp.float32), (b, n))
         noise_BN = jax.vmap(lambda kk: jax.random.normal(jax.random.fold_in(kk, 1), (n,)))(keys_B)
         noisy_BN = jnp.clip(true_BN + params["confidence_noise"] * noise_BN, 0.01, 0.99)
         conf_BN = jnp.where(params["confidence_noise"] > 0, noisy_BN, true_BN)
@@ -111,15 +142,18 @@ class ReplayDrafter:
         return conf_BN.at[:, 0].set(1.0)
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
-        return state + verdict.num_accepted
+        return reference_advance(state, verdict.num_accepted)
 
 
 def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corrupt_prob: float | Sequence[float],
-                   confidence: bool = False, confidence_noise: float = 0.0) -> ReplayDrafter:
+                   confidence: bool = False, confidence_noise: float = 0.0,
+                   prompts: Sequence[Sequence[int]] | None = None) -> ReplayDrafter:
     """Build from the target's continuation of each prompt (e.g. `generate(...).tokens` at temperature 0).
 
     corrupt_prob: one rate, or one per continuation. confidence: attach the synthetic confidences
     (1 - the row's rate, with `confidence_noise` standard deviation of Gaussian noise) for the scheduler.
+    prompts: the prompts (token ids) the continuations follow: each row then finds its continuation by its prompt
+    rather than by its place in the batch, as in `specjax.Engine`, where a request takes any free slot.
     """
     per_row = isinstance(corrupt_prob, Sequence) or np.ndim(corrupt_prob) > 0
     probs = np.asarray(corrupt_prob, np.float64).reshape(-1)
@@ -139,7 +173,20 @@ def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corr
     params = {"reference": jnp.asarray(ref), "corrupt_prob": prob}
     if confidence:
         params["confidence_noise"] = jnp.float32(confidence_noise)
+    if prompts is not None:
+        params.update(prompt_table(prompts, rows))
     return ReplayDrafter(vocab_size, params=params, confidence=confidence)
+
+
+def prompt_table(prompts: Sequence[Sequence[int]], rows: int) -> dict:
+    """{"prompts": int32 [rows, longest], "prompt_len": int32 [rows]}: the prompts rows are matched by."""
+    if len(prompts) > rows:
+        raise ValueError(f"{len(prompts)} prompts for {rows} reference rows: pass one prompt per continuation")
+    table = np.zeros((rows, max(len(p) for p in prompts)), np.int32)
+    lengths = np.full((rows,), table.shape[1] + 1, np.int32)  # padding rows never match
+    for i, p in enumerate(prompts):
+        table[i, :len(p)], lengths[i] = p, len(p)
+    return {"prompts": jnp.asarray(table), "prompt_len": jnp.asarray(lengths)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +211,10 @@ class TreeReplayDrafter:
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
         spec = self.settings.tree
-        ref_BM, alpha = params["reference"], params["alpha"]
+        ref_BM, index_B, alpha = reference_rows(params, state)
         b, m = ref_BM.shape
         n, depth, ranks = spec.num_nodes, spec.depths, child_ranks(spec)
-        idx_BD = state[:, None] + jnp.arange(max(spec.max_depth, 1))[None, :]
+        idx_BD = index_B[:, None] + jnp.arange(max(spec.max_depth, 1))[None, :]
         true_BD = jnp.take_along_axis(ref_BM, jnp.clip(idx_BD, 0, m - 1), axis=1)
         k_rank_B, k_tok_B = split_rows(keys_B, 2)
         u_BN = uniform_rows(k_rank_B, (b, n))
@@ -181,15 +228,19 @@ class TreeReplayDrafter:
             hit_B = true_rank_BN[:, spec.parents[i]] == ranks[i]
             cols.append(jnp.where(hit_B, truth_B, (truth_B + offset_BN[:, i]) % self.vocab_size))
         tokens_BN = jnp.stack(cols, axis=1).astype(jnp.int32)
-        valid_BN = (state[:, None] + jnp.asarray(depth)[None, :] - 1 < m) | (jnp.arange(n) == 0)[None, :]
+        valid_BN = (index_B[:, None] + jnp.asarray(depth)[None, :] - 1 < m) | (jnp.arange(n) == 0)[None, :]
         return Draft(tokens_BN, spec_arrays(spec, b), valid_BN), state
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
-        return state + verdict.num_accepted
+        return reference_advance(state, verdict.num_accepted)
 
 
-def tree_replay(continuations: list[list[int]], vocab: int, alpha: float) -> TreeReplayDrafter:
+def tree_replay(continuations: list[list[int]], vocab: int, alpha: float,
+                prompts: Sequence[Sequence[int]] | None = None) -> TreeReplayDrafter:
     """Build from the target's continuation of each prompt: under every node, the true token at rank r w.p.
-    alpha (1 - alpha)^r."""
-    return TreeReplayDrafter(vocab, params={"reference": jnp.asarray(reference_table(continuations)),
-                                            "alpha": jnp.float32(alpha)})
+    alpha (1 - alpha)^r. prompts: as replay_drafter's."""
+    ref = reference_table(continuations)
+    params = {"reference": jnp.asarray(ref), "alpha": jnp.float32(alpha)}
+    if prompts is not None:
+        params.update(prompt_table(prompts, ref.shape[0]))
+    return TreeReplayDrafter(vocab, params=params)

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import threading
 import time
+from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -30,23 +31,29 @@ from specjax.config import SamplingConfig
 from specjax.decoding.decode import GREEDY, SAMPLED, LoopConfig, RowSettings
 from specjax.decoding.drafter import Settings, check_drafter_argument
 from specjax.decoding.penalties import RowPenalties
-from specjax.decoding.request import GenerateOutput, bucket, prepare, round_cache_length
+from specjax.decoding.request import GenerateOutput, batch_bucket, bucket, prepare, round_cache_length
 from specjax.decoding.sampling import RowSampling
-from specjax.decoding.speculative import check_drafter_fits
+from specjax.decoding.scheduler import cost_table, verify_widths
+from specjax.decoding.speculative import SCHEDULERS, Scheduler, check_drafter_fits
 from specjax.decoding.stream import RowText, StreamChunk, finish_reason
 from specjax.decoding.tree import DynamicTreeSpec, parse_tree
 from specjax.engine import slots as ops
 from specjax.engine.handle import RequestHandle, RequestOutput
 from specjax.engine.policy import OFF, LoadPolicy
-from specjax.generate import OPTIONS, _options, _sampling
+from specjax.decoding.params import SamplingParams, merged
+from specjax.generate import _options, _sampling
+from specjax.models.sharding import axis_size, use_mesh
 from specjax.models.target import Target
+from specjax.multihost import agreed
+from specjax.planning.scheduler_cost import scheduler_cost
 
 AUTO_CHAINS = (1, 2, 4)  # the chains "auto" chooses among, besides off
 STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count of the slots' settings
 CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS
 MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
-SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", *OPTIONS)
+SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's settings: SamplingParams' fields
+LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
 
 
 @dataclasses.dataclass
@@ -66,6 +73,9 @@ class _Active:
     stale: bool = False  # its drafter state missed tokens decoded with speculation off
     stats_row: tuple[int, int, int] = (0, 0, 0)  # its speculative rounds, emitted and accepted tokens
     first_token_at: float | None = None
+    prefilling: bool = False  # a long prompt entering its slot piece by piece (the row is not decoding yet)
+    offset: int = 0  # prompt tokens already in the slot's cache
+    features: Any = ()  # while prefilling: the drafter's features over the prompt so far, on the device
     aborted: bool = False
     finished: bool = False
 
@@ -73,35 +83,63 @@ class _Active:
 class Engine:
     """Continuous batching over `max_slots` decode slots, each with its own KV cache row (and drafter state).
 
-    num_draft_tokens: "auto" (off and chains of AUTO_CHAINS, chosen per chunk from the live occupancy), K (a fixed
-    chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
+    num_draft_tokens: "auto" (off and chains of `auto_chains` drafts, chosen per chunk from the live occupancy), K (a
+    fixed chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
     request may ask (None: requests may not ask logprobs; computing them costs every round). penalties: whether
     requests may use repetition / presence / frequency penalties and min_tokens (their token counts cost memory
     [slots, vocab] and every round). sampling: whether requests may sample (False compiles the greedy path only).
+    scheduler: "confidence" or "prefix" (with a drafter that reports confidences, e.g. DSpark, and a fixed chain):
+    each round verifies only the drafts worth their cost across all live slots, decided from the drafter's
+    confidences alone (lossless), priced by scheduler_profile as `generate` takes it (None: $SPECJAX_PROFILE or
+    this device's roofline). prefill_chunk: a prompt longer than this enters its slot in pieces of this many tokens,
+    between chunks (`prefill_tokens_per_gap` prompt tokens a gap, at least one piece), so the requests decoding
+    meanwhile wait at most about one piece's prefill per gap.
     """
 
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
                  num_draft_tokens="auto", tree=None, logprobs: int | None = None, penalties: bool = False,
-                 sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096):
+                 sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096,
+                 auto_chains: Sequence[int] = AUTO_CHAINS, scheduler: str | None = None,
+                 scheduler_profile=None, prefill_chunk: int = 512):
         if not isinstance(target, Target):
             raise TypeError(f"Engine's first argument must be a specjax Target, got {type(target).__name__}")
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("max_prefill_batch", max_prefill_batch),
                             ("prefill_tokens_per_gap", prefill_tokens_per_gap)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 16 or \
+                prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or the most top logprobs a request may ask (an int >= 0), "
                              f"got {logprobs!r}")
         self.target, self.max_slots, self.max_len = target, max_slots, max_len
+        self.mesh = getattr(target, "mesh", None)
+        self.data = axis_size(self.mesh, "data")  # data-parallel replicas: every row batch is a multiple of it
+        if max_slots % self.data:
+            raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's data-parallel size {self.data} "
+                             f"(the slots are split over \"data\")")
+        if max_prefill_batch % self.data:
+            max_prefill_batch = -(-max_prefill_batch // self.data) * self.data
         self.max_top_logprobs, self.penalties, self.sampling = logprobs, penalties, sampling
         self.max_prefill_batch, self.prefill_tokens_per_gap = max_prefill_batch, prefill_tokens_per_gap
-        self.labels, specs = _shapes(drafter, num_draft_tokens, tree)
+        self.labels, specs = _shapes(drafter, num_draft_tokens, tree, auto_chains)
         if drafter is not None:
             check_drafter_argument(drafter)
             check_drafter_fits(drafter, target)
+        if scheduler is not None:
+            if scheduler not in SCHEDULERS:
+                raise ValueError(f"scheduler must be one of {SCHEDULERS} or None, got {scheduler!r}")
+            spec = specs.get(self.labels[0]) if len(self.labels) == 1 else None
+            if drafter is None or spec is None or not spec.is_chain:
+                raise ValueError(f"scheduler={scheduler!r} verifies prefixes of one chain: give a drafter that reports "
+                                 f"confidences and num_draft_tokens=K")
+        self.scheduler, self.scheduler_profile = scheduler, scheduler_profile
+        self._sched_costs: dict[int, Any] = {}
         self.drafter = drafter
         nodes = max((s.cache_slots for s in specs.values()), default=0)
-        self.cache_len = round_cache_length(max_len + nodes)
+        self.cache_len = round_cache_length(max(max_len + nodes, bucket(max_len - 1)))  # holds any prompt bucket
         self.out_len = max_len
         self.depth = max((s.max_depth for s in specs.values()), default=1)
         self.lc = {sampled: LoopConfig(target.cfg, sampled, self.out_len, self.cache_len, target.attn_impl,
@@ -111,12 +149,12 @@ class Engine:
         # hold one drafter state whatever shape the next chunk runs.
         self.configured = {(label, sampled): self._configure(specs[label], sampled)
                            for label in specs for sampled in self.lc}
-        self.base_drafter = self.configured[(self.labels[-1] if self.labels[-1] != OFF else OFF, max(self.lc))] \
-            if drafter is not None else None
         self.policy = LoadPolicy(self.labels, {lb: (0 if lb == OFF else specs[lb].max_depth) for lb in self.labels})
         self._prefill_drafter = self.configured.get((_first_spec(self.labels), max(self.lc)))
         self._trace_axes()
+        self.memory = self._check_memory()
         self._compiles = 0
+        self._compiled: list = []  # what compiled, in order
         self._compile_s = 0.0
         self._executables: dict[tuple, Any] = {}
         self.warmed_up = False
@@ -134,9 +172,14 @@ class Engine:
         self._shape: str | None = None
         self._rounds = 1
         self._history: list[tuple[float, int, str]] = []
-        self._counters = collections.Counter()
+        self._counters = collections.Counter({k: 0 for k in ("chunks", "prefills", "prefill_rows", "chunked_prefills",
+                                                             "catch_up_rows", "tokens_emitted", "requests_finished",
+                                                             "requests_aborted")})
         self._started = time.perf_counter()
         self._slots = self._fresh_slots()
+        self._slot_shardings = jax.tree.map(lambda x: x.sharding, self._slots)
+        self._replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else \
+            jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
         self._thread.start()
 
@@ -174,8 +217,9 @@ class Engine:
         n = len(prompts)
         per = {}
         for name, value in settings.items():
-            many = isinstance(value, (list, tuple)) and not (name in ("stop", "stop_token_ids") and
-                                                             not all(isinstance(v, (list, tuple)) for v in value))
+            many = isinstance(value, (list, tuple))
+            if name in LIST_SETTINGS:  # a list of lists is one per prompt; a flat list is every prompt's
+                many = many and bool(value) and all(isinstance(v, (list, tuple)) for v in value)
             if many and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} values for {n} prompts: pass one value per prompt or one "
                                  f"for all")
@@ -213,7 +257,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             live = sum(a is not None and not a.finished for a in self._live)
-            return {"occupancy": live, "max_slots": self.max_slots, "queue_length": len(self._waiting),
+            return {"occupancy": live, "memory": self.memory, "max_slots": self.max_slots, "queue_length": len(self._waiting),
                     "shape": self._shape, "shapes": list(self.labels), "shapes_over_time": list(self._history),
                     "compiles": self._compiles, "compile_s": self._compile_s, "warmed_up": self.warmed_up,
                     "cache_len": self.cache_len, **dict(self._counters), **self.policy.summary()}
@@ -238,22 +282,22 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt, settings: dict) -> _Active:
-        unknown = sorted(set(settings) - set(SETTINGS))
+        """One request checked alone (specjax.SamplingParams' rules, then what this engine can run)."""
+        settings = dict(settings)
+        sampling_params = settings.pop("sampling_params", None)
+        chat_template_kwargs = settings.pop("chat_template_kwargs", None)
+        unknown = sorted(set(settings) - SETTINGS)
         if unknown:
-            raise TypeError(f"submit() got unexpected keyword argument(s) {unknown}; its settings are {list(SETTINGS)}")
-        o = {**OPTIONS, **{k: settings[k] for k in OPTIONS if k in settings}}
-        max_new = settings.get("max_new_tokens", 128)
-        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
+            raise TypeError(f"submit() got unexpected keyword argument(s) {unknown}; its settings are "
+                            f"{sorted(SETTINGS)}, chat_template_kwargs and sampling_params")
+        if "seed" not in settings and (sampling_params is None or sampling_params.seed == 0):
+            settings["seed"] = None  # a fresh seed per request (generate's default of 0 would give all the same)
         t = self.target
-        sampling = _sampling(t, settings.get("temperature"), settings.get("top_k"), settings.get("top_p"), o["min_p"])
-        options = _options(t, o)
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            prompts = [prompt]
-        else:
-            prompts = [list(prompt)]
-        prompts = render_prompts(t, prompts, o["chat_template_kwargs"])
-        req = prepare(t, prompts, int(max_new), sampling, None, None, settings.get("seed"), options=options)
+        params = merged(sampling_params, settings).validate(t.cfg.vocab_size, n_prompts=1)
+        sampling, options = _sampling(t, params), _options(t, params)
+        max_new = params.max_new_tokens
+        prompts = render_prompts(t, [prompt], chat_template_kwargs)
+        req = prepare(t, prompts, max_new, sampling, params.eos_token_id, None, params.seed, options=options)
         ids = req.ids[0]
         if len(ids) + max_new > self.max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
@@ -270,7 +314,7 @@ class Engine:
             raise ValueError(f"top_logprobs={options.logprobs} asked, but this engine computes {cap}")
         if len(req.stop_ids) > STOP_IDS:
             raise ValueError(f"{len(req.stop_ids)} stop token ids (EOS included); the engine takes at most {STOP_IDS}")
-        text = RowText(t, options.stop, options.include_stop_str_in_output, options.skip_special_tokens,
+        text = RowText(t, options.row_stops(1)[0], options.include_stop_str_in_output, options.skip_special_tokens,
                        options.penalties.min_tokens)
         return _Active(RequestHandle(next(self._ids)), ids, req, text, time.perf_counter())
 
@@ -307,10 +351,10 @@ class Engine:
         """One gap between chunks: retire and admit, dispatch the next chunk, then read the previous one."""
         self._retire()
         self._admit()
-        live = self._live_count()
-        if live:
-            self._dispatch(live)
-        if self._inflight and (len(self._inflight) > 1 or not live):
+        decoding = sum(a is not None and not a.prefilling for a in self._live)
+        if decoding:
+            self._dispatch(decoding)
+        if self._inflight and (len(self._inflight) > 1 or not decoding):
             self._read(*self._inflight.popleft())
 
     def _live_count(self) -> int:
@@ -352,15 +396,23 @@ class Engine:
     def _admit(self) -> None:
         """Prefill waiting requests into free slots: grouped by prompt bucket, up to max_prefill_batch a group and
         prefill_tokens_per_gap prompt tokens a gap (at least one request)."""
+        budget = self._prefill_pieces(self.prefill_tokens_per_gap)
         with self._lock:
             free = self.max_slots - self._live_count()
-            chosen, budget = [], self.prefill_tokens_per_gap
-            while self._waiting and len(chosen) < free:
-                need = bucket(len(self._waiting[0].ids))
-                if chosen and need > budget:
+            chosen, long = [], []
+            while self._waiting and len(chosen) + len(long) < free:
+                a = self._waiting[0]
+                if len(a.ids) > self.prefill_chunk:  # a long prompt: its slot now, its pieces gap by gap
+                    long.append(self._waiting.popleft())
+                    continue
+                need = bucket(len(a.ids))
+                if (chosen or budget < self.prefill_tokens_per_gap) and need > budget:
                     break
                 chosen.append(self._waiting.popleft())
                 budget -= need
+            for a in long:
+                a.slot, a.prefilling = self._live.index(None), True
+                self._live[a.slot] = a
         if not chosen:
             return
         groups = collections.defaultdict(list)
@@ -370,8 +422,56 @@ class Engine:
             for i in range(0, len(group), self.max_prefill_batch):
                 self._prefill(group[i: i + self.max_prefill_batch], length)
 
+    def _prefill_pieces(self, budget: int) -> int:
+        """Run pieces of the long prompts entering their slots, oldest first, while `budget` prompt tokens last (at
+        least one piece a gap); returns the budget left."""
+        spent = False
+        for a in [a for a in self._live if a is not None and a.prefilling and not a.aborted]:
+            while a.prefilling and (not spent or budget >= self.prefill_chunk):
+                budget -= self._next_piece(a)
+                spent = True
+        return max(budget, 0)
+
+    def _next_piece(self, a: _Active) -> int:
+        """One piece of a's prompt into its slot; the last one makes the row decode. Returns its tokens."""
+        c, n = self.prefill_chunk, len(a.ids)
+        p = bucket(n)
+        ids = np.zeros((1, p), np.int32)
+        ids[0, :n] = a.ids
+        capture = () if self._prefill_drafter is None else self._prefill_drafter.feature_layers
+        lc = self.lc[max(self.lc)]
+        if n - a.offset > c:
+            first = a.offset == 0
+            out = (self._slot_shardings, (self._replicated,) * len(capture))  # the features stay whole
+            self._slots, a.features = self._exec(("extend", p, first), ops.extend, donate=1, out=out, lc=lc,
+                                                 cache_axes=self.cache_axes, capture=capture, first=first,
+                                                 prompt_bucket=p)(
+                self.target.params, self._slots, jnp.int32(a.slot), ids[:, a.offset: a.offset + c],
+                jnp.int32(a.offset), a.features)
+            a.offset += c
+            return c
+        rest = n - a.offset
+        t = bucket(rest)
+        piece = np.zeros((1, t), np.int32)
+        piece[0, :rest] = a.ids[a.offset:]
+        req = a.req
+        self._slots = self._exec(("finish", p, t), ops.finish_prefill, donate=2, lc=lc, drafter=self._prefill_drafter,
+                                 depth=self.depth, axes=self.axes, cache_axes=self.cache_axes)(
+            self.target.params, self._draft_params(), self._slots, jnp.int32(a.slot), piece,
+            np.full((1,), rest, np.int32), jnp.int32(a.offset), a.features, ids, np.full((1,), n, np.int32),
+            req.max_new_B[:1], req.seeds_B[:1], req.fold_B[:1], _as_rows(req.rows, 1))
+        a.prefilling, a.features, a.offset = False, (), n
+        self._max_new[a.slot] = req.max_new_B[0]
+        _set_row(self._rows, a.slot, req.rows, 0)
+        self._counters["chunked_prefills"] += 1
+        return rest
+
+    def _rows_bucket(self, n: int) -> int:
+        """Rows a chunk or a prefill of n rows runs: a power of two, a multiple of the data-parallel size."""
+        return min(batch_bucket(n, self.data), self.max_slots) if n <= self.max_slots else batch_bucket(n, self.data)
+
     def _prefill(self, group: list[_Active], length: int) -> None:
-        pb = bucket(len(group), minimum=1)
+        pb = self._rows_bucket(len(group))
         base = self._live_count()
         dst = np.full((pb,), self.max_slots, np.int32)  # padding rows are dropped by the insert
         prompt_BT = np.zeros((pb, length), np.int32)
@@ -400,35 +500,51 @@ class Engine:
         self._counters["prefill_rows"] += len(group)
 
     def _dispatch(self, live: int) -> None:
-        nb = bucket(live, minimum=1)
+        """The next chunk over every occupied slot; its shape from the `live` rows decoding (prefills not counted)."""
+        nb = self._rows_bucket(self._live_count())
         fixed = len(self.labels) == 1
         label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
         if label != self._shape:
             self._history.append((round(time.perf_counter() - self._started, 4), live, label))
             self._shape = label
-        if label != OFF and any(a is not None and a.stale for a in self._live):
+        if label != OFF and any(a is not None and a.stale and not a.prefilling for a in self._live):
             self._catch_up()
         sampled = any(a is not None and a.req.lc.sampled for a in self._live)
         if label == OFF:
             for a in self._live:
-                if a is not None:
+                if a is not None and not a.prefilling:
                     a.stale = self.drafter is not None
         self._chunk(label, nb, sampled, self._rounds, bool(self._waiting))
         snap = self._exec("snapshot", ops.snapshot)(self._slots)
-        self._inflight.append((snap, list(self._live), label, nb, live, time.perf_counter()))
+        owners = [a if a is not None and not a.prefilling else None for a in self._live]
+        self._inflight.append((snap, owners, label, nb, live, time.perf_counter()))
 
     def _chunk(self, label: str, nb: int, sampled: bool, rounds: int, exit_early: bool) -> None:
         """Dispatch one chunk of `label` over the first nb slots (the slots donated)."""
-        args = (jnp.asarray(self._max_new[:nb]), _as_rows(self._rows, nb))
+        args = (_device_copy(self._max_new[:nb]), _as_rows(self._rows, nb))
         if label == OFF:
             fn = self._exec(("plain", nb, sampled), ops.plain_chunk, donate=3, lc=self.lc[sampled], nb=nb,
                             axes=self.axes)
             self._slots = fn(self.target.params, *args, self._slots, jnp.int32(rounds), jnp.bool_(exit_early))
         else:
+            drafter = self.configured[(label, sampled)]
+            sched, seconds_T = self._scheduler_for(nb, drafter)
             fn = self._exec(("spec", nb, label, sampled), ops.spec_chunk, donate=4, lc=self.lc[sampled],
-                            drafter=self.configured[(label, sampled)], nb=nb, axes=self.axes)
+                            drafter=drafter, nb=nb, axes=self.axes, sched=sched)
             self._slots = fn(self.target.params, self._draft_params(), *args, self._slots, jnp.int32(rounds),
-                             jnp.bool_(exit_early))
+                             jnp.bool_(exit_early), seconds_T)
+
+    def _scheduler_for(self, nb: int, drafter) -> tuple[Scheduler | None, Any]:
+        """The prefix scheduler and its verify cost curve at nb rows (priced once per bucket), or (None, None)."""
+        if self.scheduler is None:
+            return None, None
+        n = drafter.settings.tree.num_nodes
+        sched = Scheduler(self.scheduler, verify_widths(n))
+        if nb not in self._sched_costs:
+            cost = scheduler_cost(self.target, self.scheduler_profile, nb, sched.widths, self.cache_len // 2)
+            table = cost_table(cost.verify_s, nb, n, cost.draft_s(nb, n - 1))
+            self._sched_costs[nb] = jnp.asarray(agreed(np.asarray(table)))
+        return sched, self._sched_costs[nb]
 
     def _read(self, snap, owners: list, label: str, nb: int, live: int, dispatched: float) -> None:
         """Hand out one chunk's tokens; learn from its timing and acceptance."""
@@ -479,7 +595,7 @@ class Engine:
         if finished:
             reason, stop = finish_reason(a.text.tokens, a.text.stop_reason, a.req.stop_ids)
         if tokens or text or finished:
-            a.handle._push(StreamChunk(0, tokens, text, reason, *_chunk_extras(lp, tops, stop)))
+            a.handle._push(StreamChunk(0, tokens, text, reason, lp, tops, stop))
         if finished:
             a.stats_row = (int(stats.rounds_B[slot]), int(stats.emitted_B[slot]), int(stats.accepted_B[slot]))
             self._finish(a, reason, stop)
@@ -508,7 +624,7 @@ class Engine:
         """Speculation resumes: every row decoded with it off gets a drafter state over its whole sequence."""
         while self._inflight:  # the host needs every row's tokens so far
             self._read(*self._inflight.popleft())
-        stale = [a for a in self._live if a is not None and a.stale and not a.finished]
+        stale = [a for a in self._live if a is not None and a.stale and not (a.finished or a.aborted or a.prefilling)]
         groups = collections.defaultdict(list)
         for a in stale:
             groups[bucket(len(a.ids) + len(a.device_tokens) - 1)].append(a)
@@ -519,7 +635,7 @@ class Engine:
             a.stale = False
 
     def _catch_up_group(self, group: list[_Active], length: int) -> None:
-        pb = bucket(len(group), minimum=1)
+        pb = self._rows_bucket(len(group))
         seq_BT = np.zeros((pb, length), np.int32)
         seq_len_B, root_B = np.ones((pb,), np.int32), np.zeros((pb,), np.int32)
         dst = np.full((pb,), self.max_slots, np.int32)  # padding rows (and warmup's) are dropped
@@ -549,15 +665,22 @@ class Engine:
             warm.set()
 
     # ------------------------------------------------------------------ compiled operations
-    def _exec(self, key, fn, donate: int | None = None, **static):
+    def _exec(self, key, fn, donate: int | None = None, out=None, **static):
         """`fn` jitted with `static` (and argument `donate` donated), compiled once per key and argument signature;
-        every compile is counted (a run after warmup must add none)."""
+        every compile is counted (a run after warmup must add none). What a donating operation returns (the slots,
+        or their drafter state) is laid out in the slots' own shardings, so on a mesh every operation sees its
+        input in the one layout it was compiled for (XLA would otherwise pick per executable, and the next call
+        would compile again)."""
         key = (key, *sorted((k, v) for k, v in static.items() if k != "axes"))
         jitted = self._executables.get(key)
         if jitted is None:
-            jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,))
+            if donate is not None and out is None:
+                dstate_only = isinstance(key[0], tuple) and key[0][0] == "insert_dstate"
+                out = self._slot_shardings.dstate if dstate_only else self._slot_shardings
+            jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,),
+                             out_shardings=out)
             self._executables[key] = jitted
-        return _Counted(self, jitted, static)
+        return _Counted(self, jitted, static, key[0])
 
     def _draft_params(self):
         return None if self.drafter is None else self.drafter.params
@@ -567,42 +690,51 @@ class Engine:
             return None
         return self.drafter.configure(Settings(spec, SAMPLED if sampled else GREEDY, self.cache_len, self.out_len))
 
+    def _prefill_args(self, b: int) -> tuple:
+        """ops.prefill's array arguments for b empty rows (one-token prompts, no budget: done at once)."""
+        return (self.target.params, self._draft_params(), np.zeros((b, 16), np.int32), np.ones((b,), np.int32),
+                np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32),
+                _as_rows(_empty_rows(b)))
+
+    def _prefill_shapes(self, b: int, drafter) -> Any:
+        with use_mesh(self.mesh):
+            return jax.eval_shape(partial(ops.prefill, lc=self.lc[max(self.lc)], drafter=drafter, depth=self.depth),
+                                  *self._prefill_args(b))
+
     def _fresh_slots(self):
-        """All slots empty (done, no budget): a prefill of max_slots one-token prompts."""
-        b = self.max_slots
-        lc = self.lc[max(self.lc)]
-        return jax.jit(ops.prefill, static_argnames=("lc", "drafter", "depth"))(
-            self.target.params, self._draft_params(), np.zeros((b, 16), np.int32), np.ones((b,), np.int32),
-            np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32), _as_rows(_empty_rows(b)),
-            lc=lc, drafter=self._prefill_drafter, depth=self.depth)
+        """All slots empty (done, no budget)."""
+        with use_mesh(self.mesh):
+            return jax.jit(partial(ops.prefill, lc=self.lc[max(self.lc)], drafter=self._prefill_drafter,
+                                   depth=self.depth))(*self._prefill_args(self.max_slots))
+
+    def _check_memory(self) -> dict[str, float]:
+        """What the slots will hold (their exact shapes, traced) and the prefill's scratch, against the device's free
+        memory (per device on a mesh: the total over its devices); refused before anything is allocated."""
+        one = _nbytes(self._prefill_shapes(self.data, self._prefill_drafter)) / self.data  # a slot, all it holds
+        devices = 1 if self.mesh is None else self.mesh.size
+        slots = one * self.max_slots / devices
+        scratch = one * self.max_prefill_batch / devices  # a prefill (or catch-up) allocates its rows' caches
+        free = _free_bytes()
+        plan = {"slot_bytes": one, "slots_bytes": slots, "prefill_scratch_bytes": scratch, "free_bytes": free}
+        if free is not None and slots + scratch > free:
+            fit = max(0, int((free - scratch) // (one / devices)))
+            raise ValueError(f"max_slots={self.max_slots} x max_len={self.max_len} needs {slots / 2**30:.2f} GiB a "
+                             f"device for the slots ({one / 2**20:.1f} MiB a slot: KV cache, drafter state, buffers) "
+                             f"plus {scratch / 2**30:.2f} GiB of prefill scratch, but {free / 2**30:.2f} GiB is free: "
+                             f"use max_slots <= {fit} or a smaller max_len")
+        return plan
 
     def _trace_axes(self) -> None:
         """The batch axis of every leaf of the slots (and of the drafter state alone), by tracing at two sizes;
         and a check that every configured drafter keeps the same state structure."""
-        lc = self.lc[max(self.lc)]
-
-        def shapes(b):
-            return jax.eval_shape(partial_prefill(lc, self._prefill_drafter, self.depth), self.target.params,
-                                  self._draft_params(), jax.ShapeDtypeStruct((b, 16), jnp.int32),
-                                  jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-                                  jax.ShapeDtypeStruct((b,), jnp.uint32), jax.ShapeDtypeStruct((b,), jnp.uint32),
-                                  _as_rows(_empty_rows(b)))
-
-        small, large = shapes(3), shapes(5)
+        small = self._prefill_shapes(3 * self.data, self._prefill_drafter)
+        large = self._prefill_shapes(5 * self.data, self._prefill_drafter)
         self.axes = ops.batch_axes(small, large)
         self.dstate_axes = ops.batch_axes(small.dstate, large.dstate)
-        want = jax.tree.structure(small.dstate)
+        self.cache_axes = ops.batch_axes(small.cache, large.cache)
         for (label, sampled), drafter in self.configured.items():
-            if drafter is None:
-                continue
-            got = jax.tree.structure(jax.eval_shape(partial_prefill(lc, drafter, self.depth), self.target.params,
-                                                    self._draft_params(), jax.ShapeDtypeStruct((3, 16), jnp.int32),
-                                                    jax.ShapeDtypeStruct((3,), jnp.int32),
-                                                    jax.ShapeDtypeStruct((3,), jnp.int32),
-                                                    jax.ShapeDtypeStruct((3,), jnp.uint32),
-                                                    jax.ShapeDtypeStruct((3,), jnp.uint32),
-                                                    _as_rows(_empty_rows(3))).dstate)
-            if got != want:
+            if drafter is not None and jax.tree.structure(self._prefill_shapes(self.data, drafter).dstate) != \
+                    jax.tree.structure(small.dstate):
                 raise ValueError(f"the drafter keeps a different state for shape {label!r} than for "
                                  f"{_first_spec(self.labels)!r}; the engine switches shapes between chunks over one "
                                  f"drafter state: give shapes of one kind (chains, or one tree)")
@@ -612,7 +744,7 @@ class Engine:
         prefill, insert and catch-up at every prompt bucket and prefill batch; per occupancy bucket nb, nb dummy
         requests run each shape's chunk (greedy and sampled) twice, the second timed; then every slot is freed."""
         lengths = _buckets(16, bucket(self.max_len - 1))
-        for pb in _buckets(1, self.max_prefill_batch):
+        for pb in sorted({self._rows_bucket(n) for n in range(1, self.max_prefill_batch + 1)}):
             for length in lengths:
                 dummies = [self._dummy(min(length, self.max_len - 1)) for _ in range(pb)]
                 self._prefill(dummies, length)
@@ -621,7 +753,7 @@ class Engine:
                     for a in dummies:
                         a.device_tokens, a.slot = [0], self.max_slots
                     self._catch_up_group(dummies, length)
-        for nb in _buckets(1, self.max_slots):
+        for nb in sorted({self._rows_bucket(n) for n in range(1, self.max_slots + 1)}):
             for label in self.labels:
                 for sampled in self.lc:
                     dummies = [self._dummy(1, self.max_len - 1) for _ in range(nb)]
@@ -635,6 +767,38 @@ class Engine:
                             self.policy.round_s[(nb, label)].add((time.perf_counter() - start) / WARMUP_ROUNDS)
                     self._exec("snapshot", ops.snapshot)(self._slots)
                     self._retire_all()
+        for n in self._chunked_lengths():  # every (prompt bucket, piece) executable of a chunked prefill
+            a = self._dummy(n)
+            a.slot, a.prefilling = self._live_count(), True
+            self._live[a.slot] = a
+            while a.prefilling:
+                self._next_piece(a)
+            self._retire_all()
+        if self.max_slots > 1:  # a retirement below a live row moves that row down
+            dummies = [self._dummy(1, 2) for _ in range(2)]
+            self._prefill(dummies, 16)
+            dummies[0].finished = True
+            self._retire()
+            self._retire_all()
+
+    def _piece_keys(self, n: int) -> set:
+        """The executables a chunked prefill of an n-token prompt runs."""
+        c, p = self.prefill_chunk, bucket(n)
+        keys, offset = set(), 0
+        while n - offset > c:
+            keys.add(("extend", p, offset == 0))
+            offset += c
+        return keys | {("finish", p, bucket(n - offset))}
+
+    def _chunked_lengths(self) -> list[int]:
+        """Prompt lengths whose chunked prefills together run every executable a prompt that fits can need."""
+        lengths, seen = [], set()
+        for n in range(self.max_len - 1, self.prefill_chunk, -1):
+            keys = self._piece_keys(n)
+            if not keys <= seen:
+                lengths.append(n)
+                seen |= keys
+        return lengths
 
     def _dummy(self, prompt_len: int, max_new: int = 1) -> _Active:
         return self._validate([1] * max(1, prompt_len), {"max_new_tokens": max_new, "temperature": 0.0})
@@ -646,27 +810,38 @@ class Engine:
         self._retire()
 
 
-class _Counted:
-    """A jitted function that counts its compiles (a new argument signature) on the engine."""
+_LOWERINGS: collections.Counter = collections.Counter()  # thread id -> executables lowered (traced anew) on it
 
-    def __init__(self, engine: Engine, jitted, static: dict):
-        self.engine, self.jitted, self.static = engine, jitted, static
+
+def _count_lowering(event: str, duration: float, **kw) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _LOWERINGS[threading.get_ident()] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+
+
+class _Counted:
+    """A jitted function whose calls count what they compiled on the engine: JAX lowering a new executable (a new
+    argument signature), whether XLA then compiles it or the persistent cache supplies it."""
+
+    def __init__(self, engine: Engine, jitted, static: dict, name):
+        self.engine, self.jitted, self.static, self.name = engine, jitted, static, name
 
     def __call__(self, *args):
-        before = self.jitted._cache_size()
+        thread = threading.get_ident()
+        before = _LOWERINGS[thread]
         start = time.perf_counter()
-        out = self.jitted(*args, **self.static)
-        if self.jitted._cache_size() != before:
+        with use_mesh(self.engine.mesh):
+            out = self.jitted(*args, **self.static)
+        if _LOWERINGS[thread] != before:
             self.engine._compiles += 1
+            self.engine._compiled.append(self.name)
             self.engine._compile_s += time.perf_counter() - start
         return out
 
 
-def partial_prefill(lc, drafter, depth):
-    return lambda *a: ops.prefill(*a, lc=lc, drafter=drafter, depth=depth)
-
-
-def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
+def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tuple[list[str], dict]:
     """The engine's candidate shapes: labels in order and their tree specs ("off" has none)."""
     if drafter is None:
         if num_draft_tokens not in ("auto", "off", None) or tree is not None:
@@ -677,14 +852,13 @@ def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
         if num_draft_tokens not in ("auto", None):
             raise ValueError(f"pass either num_draft_tokens={num_draft_tokens!r} or tree={tree!r}, not both")
         spec = parse_tree(tree, None)
-        if isinstance(spec, DynamicTreeSpec):
-            raise ValueError("the engine runs static shapes (chains, static trees); a dynamic tree is not supported "
-                             "by the engine yet: use specjax.generate for it")
         return [_label(spec)], {_label(spec): spec}
     if num_draft_tokens == "off":
         return [OFF], {}
     if num_draft_tokens == "auto":
-        specs = {f"chain:{k}": parse_tree(None, k) for k in AUTO_CHAINS}
+        if not auto_chains or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in auto_chains):
+            raise ValueError(f"auto_chains must be a non-empty list of positive chain lengths, got {auto_chains!r}")
+        specs = {f"chain:{k}": parse_tree(None, k) for k in sorted(set(auto_chains))}
         return [OFF, *specs], specs
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be 'auto', 'off' or a positive int K, got {num_draft_tokens!r}")
@@ -693,11 +867,33 @@ def _shapes(drafter, num_draft_tokens, tree) -> tuple[list[str], dict]:
 
 
 def _label(spec) -> str:
+    if isinstance(spec, DynamicTreeSpec):
+        return f"dynamic:top_k={spec.top_k},depth={spec.depth},total_tokens={spec.total_tokens}"
     return f"chain:{spec.num_nodes - 1}" if spec.is_chain else f"tree:{spec.num_nodes}n/d{spec.max_depth}"
 
 
 def _first_spec(labels: list[str]) -> str:
     return next((lb for lb in labels if lb != OFF), OFF)
+
+
+def _nbytes(tree) -> float:
+    return float(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+                     if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
+
+
+def _free_bytes() -> float | None:
+    """Free memory of the first device (its allocator's limit less what is in use), or the host's available memory
+    on the CPU; None when neither can be read."""
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _buckets(low: int, high: int) -> list[int]:
@@ -725,16 +921,15 @@ def _set_row(rows: RowSettings, i: int, src: RowSettings, j: int) -> None:
 
 
 def _as_rows(rows: RowSettings, n: int | None = None) -> RowSettings:
-    """The first n rows as device arrays."""
-    return jax.tree.map(lambda x: jnp.asarray(x if n is None else x[:n]), rows)
+    """The first n rows as device arrays (copies: see _device_copy)."""
+    return jax.tree.map(lambda x: _device_copy(x if n is None else x[:n]), rows)
 
 
-def _chunk_extras(logprobs, top, stop) -> tuple:
-    fields = {f.name for f in dataclasses.fields(StreamChunk)}
-    extras = []
-    if "logprobs" in fields:
-        extras += [logprobs, top, stop] if "stop_reason" in fields else [logprobs, top]
-    return tuple(extras)
+def _device_copy(x: np.ndarray) -> jax.Array:
+    """A host array on the device, from a copy: on the CPU a transfer may alias the numpy buffer, and a computation
+    dispatched now runs later, after the host has changed these mirrors for the next chunk (a freed slot's budget set
+    to 0 would end the row it still holds)."""
+    return jnp.asarray(np.array(x, copy=True))
 
 
 from specjax.config import PenaltyConfig  # noqa: E402

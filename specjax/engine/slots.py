@@ -25,7 +25,7 @@ from specjax.decoding.decode import prefill as target_prefill
 from specjax.decoding.drafter import Drafter, PrefillContext
 from specjax.decoding.request import round_cache_length
 from specjax.decoding.penalties import TokenCounts
-from specjax.decoding.speculative import SpecState, spec_advance, start_rows
+from specjax.decoding.speculative import Scheduler, SpecState, first_and_init, spec_advance, start_rows
 from specjax.decoding.stats import SpecStats
 from specjax.models.model import merge
 
@@ -138,16 +138,19 @@ def mark_done(slots: Slots, done_B: jax.Array) -> Slots:
     return dataclasses.replace(slots, done_B=slots.done_B | done_B)
 
 
-def spec_chunk(params, draft_params, max_new_B, rows: RowSettings, slots: Slots, rounds, exit_on_finish, *,
-               lc: LoopConfig, drafter: Drafter, nb: int, axes: tuple) -> Slots:
+def spec_chunk(params, draft_params, max_new_B, rows: RowSettings, slots: Slots, rounds, exit_on_finish,
+               seconds_T=None, *, lc: LoopConfig, drafter: Drafter, nb: int, axes: tuple,
+               sched: Scheduler | None = None) -> Slots:
     """Up to `rounds` speculative rounds over the first nb slots (max_new_B and rows are theirs), ending early when
-    exit_on_finish and a row finishes. A fresh SpecStats for this chunk's shape is added to EngineStats."""
+    exit_on_finish and a row finishes. A fresh SpecStats for this chunk's shape is added to EngineStats. With
+    `sched` (and its cost curve seconds_T), the prefix scheduler admits each round's drafts across all these slots
+    from the drafter's confidences (DSpark's Algorithm 1 or the width rule: specjax/decoding/scheduler.py)."""
     sub = first_rows(slots, nb, axes)
     tree = drafter.settings.tree
     state = SpecState(sub.step, sub.cache, sub.root_B, sub.out_BO, sub.round_BO, sub.depth_BO, sub.count_B,
                       sub.done_B, sub.dstate, sub.keys_B, SpecStats.zeros(nb, tree.max_depth, tree.num_nodes),
                       sub.counts, sub.logprobs)
-    state = spec_advance(merge(lc.model, params), lc, rows, drafter, draft_params, max_new_B, None, None, state,
+    state = spec_advance(merge(lc.model, params), lc, rows, drafter, draft_params, max_new_B, seconds_T, sched, state,
                          state.step + rounds, exit_on_finish)
     return put_first_rows(slots, slots_of(state, sub.stats.add(state.stats)), axes)
 
@@ -181,3 +184,57 @@ def catch_up(params, draft_params, seq_BT, seq_len_B, root_B, *, lc: LoopConfig,
         scratch = model.init_cache(seq_BT.shape[0], round_cache_length(seq_BT.shape[1]))
         _, features, _ = target_prefill(model, lc, scratch, seq_BT, seq_len_B, capture=drafter.feature_layers)
     return drafter.init(draft_params, PrefillContext(seq_BT, seq_len_B, root_B, features))
+
+
+# ---- chunked prefill: a long prompt enters its slot piece by piece, between chunks ----------------------------
+
+
+def _row(cache, slot, cache_axes: tuple):
+    """Row `slot` of every batched cache leaf (a batch of one)."""
+    return _leafwise(lambda a, x: x if a is None else lax.dynamic_slice_in_dim(x, slot, 1, axis=a), cache_axes, cache)
+
+
+def _put_row(cache, row, slot, cache_axes: tuple):
+    return _leafwise(lambda a, x, r: r if a is None else lax.dynamic_update_slice_in_dim(x, r, slot, axis=a),
+                     cache_axes, cache, row)
+
+
+def _piece(model, lc: LoopConfig, row, piece_1T, piece_len_1, capture: tuple[int, ...]):
+    """Run one piece of a prompt after what the row's cache holds; the cache's length advances by the piece."""
+    h_1TD, captured, row = model.forward(piece_1T, row, capture=capture, attn_impl=lc.attn_impl,
+                                         num_valid_B=piece_len_1)
+    return h_1TD, captured, row.with_lengths(row.lengths + piece_len_1)
+
+
+def extend(params, slots: Slots, slot, piece_1C, offset, features, *, lc: LoopConfig, cache_axes: tuple,
+           capture: tuple[int, ...], first: bool, prompt_bucket: int):
+    """A full piece (C tokens) of a long prompt into row `slot` (its row starts empty when `first`), the drafter's
+    features over it kept in `features` ([1, prompt_bucket, D] per feature layer, allocated by the first piece) at
+    `offset`. The row stays done: chunks over the slots skip it until `finish_prefill`."""
+    model = merge(lc.model, params)
+    row = model.init_cache(1, lc.cache_len) if first else _row(slots.cache, slot, cache_axes)
+    c = piece_1C.shape[1]
+    _, captured, row = _piece(model, lc, row, piece_1C, jnp.full((1,), c, jnp.int32), capture)
+    if first:
+        features = tuple(jnp.zeros((1, prompt_bucket, f.shape[-1]), f.dtype) for f in captured)
+    features = tuple(lax.dynamic_update_slice_in_dim(f, x, offset, axis=1) for f, x in zip(features, captured))
+    return dataclasses.replace(slots, cache=_put_row(slots.cache, row, slot, cache_axes)), features
+
+
+def finish_prefill(params, draft_params, slots: Slots, slot, piece_1T, piece_len_1, offset, features, prompt_1P,
+                   prompt_len_1, max_new_1, seeds_1, fold_1, rows: RowSettings, *, lc: LoopConfig,
+                   drafter: Drafter | None, depth: int, axes: tuple, cache_axes: tuple):
+    """The last piece of a long prompt: then, as a whole prefill would, the first token (penalty counts over the
+    whole prompt) and the drafter's init over the whole prompt and its features; the row is inserted, decoding."""
+    model = merge(lc.model, params)
+    capture = () if drafter is None else drafter.feature_layers
+    h_1TD, captured, row = _piece(model, lc, _row(slots.cache, slot, cache_axes), piece_1T, piece_len_1, capture)
+    last_11D = jnp.take_along_axis(h_1TD, (piece_len_1 - 1)[:, None, None], axis=1)
+    logits_1V = model.logits(last_11D)[:, 0]
+    features = tuple(lax.dynamic_update_slice_in_dim(f, x, offset, axis=1) for f, x in zip(features, captured))
+    keys_1, first, dstate = first_and_init(lc, rows, drafter, draft_params, logits_1V, features, prompt_1P,
+                                           prompt_len_1, max_new_1, seeds_1, fold_1)
+    zeros_1O = jnp.zeros_like(first.out_BO)
+    new = Slots(jnp.int32(0), row, first.tok_B, first.out_BO, zeros_1O, zeros_1O, first.count_B, first.done_B, dstate,
+                keys_1, first.counts, first.logprobs, EngineStats.zeros(1, depth))
+    return insert(slots, new, slot[None], axes)

@@ -31,6 +31,7 @@ from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.mtp import MtpDrafter, mtp_config
 from specjax.loading.target import load
 from specjax.models.decoder import has_layer_list
+from specjax.models.target import Target
 from specjax.models.sharding import abstract, param_shardings, place, replicated
 from specjax.multihost import to_host
 
@@ -88,6 +89,9 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers and draft
     models have no head config of their own to override: refused there.
     """
+    if not isinstance(target, Target):
+        raise TypeError(f"load_drafter's second argument is the target the drafter serves, a specjax Target "
+                        f"(target = specjax.load(path)); got {type(target).__name__}")
     family = drafter_family(path)
     if rope_theta is not None and family not in ("eagle3", "dflash", "dspark"):
         what = "MTP layers run with the target's RoPE" if family == "mtp" else \

@@ -23,6 +23,7 @@ from specjax.convert.hf import load_hf
 from specjax.models.model import merge
 from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh, with_expert_parallel
 from specjax.models.target import Target, serving_layout
+from specjax.quant.qarray import dequantize_tree
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -36,7 +37,7 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
 
 
 def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto", mesh=None,
-         tensor_parallel: int | None = None, rules: dict | None = None) -> Target:
+         tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False) -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     dtype ("float32" | "bfloat16" | "float16") overrides the stored dtype.
@@ -46,6 +47,9 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     models/sharding.py's rules, the batch over "data"; each device reads only its slice of every weight.
     tensor_parallel=n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
     rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
+    A quantized checkpoint (block FP8, compressed-tensors, AWQ, GPTQ: convert/quantized.py) keeps its weights
+    quantized on the device, dequantized inside each matmul in `dtype`; dequantize=True (the exact mode)
+    dequantizes them to `dtype` once, here, instead.
     """
     path = Path(path)
     if not path.exists():
@@ -64,6 +68,8 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
             params = restore_sharded(path, cfg, mesh, rules)
     else:
         hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None)
+        if dequantize:
+            params = dequantize_tree(params, cfg.dtype)
     generation = read_generation_config(path / "generation_config.json")
     cfg = with_generation_eos(cfg, generation, path / "generation_config.json")
     mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them
@@ -133,7 +139,9 @@ def generation_eos_ids(generation: dict, file: Path) -> tuple[int, ...] | None:
 def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overwrite: bool = False) -> Path:
     """Hugging Face directory -> orbax checkpoint with config and tokenizer files, written atomically.
 
-    MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py).
+    MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py). A quantized
+    checkpoint is written dequantized to `dtype`: `specjax.load` of the Hugging Face directory itself keeps it
+    quantized (docs/quantization.md).
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -143,5 +151,6 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
                          f"specjax.load; to change its dtype, load(path, dtype=...) or convert its Hugging Face source")
     _check_dtype(dtype)
     hf_config, cfg, host_params = load_hf(src, dtype=dtype)
+    host_params = dequantize_tree(host_params, cfg.dtype)
     return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=checkpoint.tokenizer_files(src),
                            meta={"source": str(src.absolute())}, overwrite=overwrite)

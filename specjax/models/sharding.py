@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.config import ModelConfig
 from specjax.models.cache import HybridCache, KVCache
+from specjax.quant.qarray import QuantizedWeight, is_quantized
 
 MESH_AXES = ("data", "model")
 
@@ -192,12 +193,40 @@ def abstract(params: dict) -> dict:
 
 def param_shardings(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
     """A NamedSharding per weight of `module` (merged over its params, e.g. `model.merge(cfg, abstract(params))`),
-    by the rules; cfg gives the head counts. The result is shaped like the params."""
+    by the rules; cfg gives the head counts. The result is shaped like the params (a quantized weight: a
+    QuantizedWeight of shardings, one per part, see `quantized_specs`)."""
     counts = head_counts(cfg)
-    axes = logical_axes(module)
-    shapes = jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(nnx.state(module)))
-    return jax.tree.map(lambda names, shape: NamedSharding(mesh, partition_spec(names, shape, mesh, counts, rules)),
-                        axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def sharding(names, value):
+        if is_quantized(value):
+            return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                quantized_specs(names, value, mesh, counts, rules), is_leaf=lambda x: isinstance(x, P))
+        return NamedSharding(mesh, partition_spec(names, tuple(value.shape), mesh, counts, rules))
+
+    return jax.tree.map(sharding, logical_axes(module), nnx.to_pure_dict(nnx.state(module)),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def quantized_specs(names: tuple, qw: QuantizedWeight, mesh, counts: dict[str, int], rules=None) -> QuantizedWeight:
+    """PartitionSpecs for a quantized weight's parts: its values split as a plain weight of its shape would be,
+    each scale (and zero point) split with its block. A dimension is split only where every device's slice holds
+    whole blocks (else it stays whole, values and scales); a dimension with one scale (per channel, per tensor)
+    keeps its scales replicated; with a g_idx (GPTQ act-order) any row may use any group, so scales stay whole
+    along the input."""
+    spec = list(partition_spec(names, qw.shape, mesh, counts, rules))
+    nd = len(spec)
+    blocks = (1,) * (nd - 2) + tuple(qw.block)
+    q_spec, s_spec = list(spec), [None] * nd
+    for d, axis in enumerate(spec):
+        if axis is None or qw.scale.shape[d] == 1 or (d == nd - 2 and qw.g_idx is not None):
+            continue
+        n = axis_size(mesh, axis)
+        if (qw.shape[d] // n) % blocks[d] == 0 and qw.scale.shape[d] % n == 0:
+            s_spec[d] = axis
+        else:
+            q_spec[d] = None
+    return QuantizedWeight(P(*q_spec), P(*s_spec), None if qw.zero is None else P(*s_spec),
+                           None if qw.g_idx is None else P(*q_spec[:-1]), qw.block, qw.fmt, qw.compute_dtype)
 
 
 def replicated(params, mesh: Mesh):

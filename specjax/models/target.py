@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from specjax.config import ModelConfig
 from specjax.models.decoder import Decoder, with_layout
 from specjax.models.model import merge
+from specjax.quant.qarray import quantized_formats
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,7 +59,9 @@ class Target:
         """One line of facts (not the weights and tokenizer the dataclass repr would dump)."""
         path = f", path='{self.path}'" if self.path is not None else ""
         mesh = f", mesh={dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))}" if self.mesh is not None else ""
-        return f"Target({model_summary(self.cfg, self.attn_impl)}{mesh}{path})"
+        formats = quantized_formats(self.params)
+        quant = f", quantized={' + '.join(formats)}" if formats else ""
+        return f"Target({model_summary(self.cfg, self.attn_impl)}{quant}{mesh}{path})"
 
 
 def model_summary(cfg: ModelConfig, attn_impl: str) -> str:

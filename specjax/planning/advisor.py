@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+import time
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Sequence
 
 from specjax.config import ModelConfig, SamplingConfig, text_config
 from specjax.convert.hf_files import read_hf_config, read_json
+from specjax.convert.quantized import read_scheme
 from specjax.decoding.tree import chain, parse_tree
 from specjax.drafters import NgramDrafter
 from specjax.loading.drafter import load_drafter
@@ -84,6 +86,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "generate(..., tree='auto') does (with --target/--drafter)")
     p.add_argument("--roofline", action="store_true", help="plan this machine by its roofline instead of measuring")
     p.add_argument("--context", type=int, default=512, help="cached tokens per row for the KV term (roofline)")
+    p.add_argument("--full", action="store_true",
+                   help="measure as generate(..., tree='auto') does in full: chains 1,2,3,4,8 timed for at least 2 s "
+                        "a batch, again 4x longer when a gain is inside the timings' noise (minutes a batch on a "
+                        "CPU); default: a quick measurement (chains 1,2,4, three timed rounds, the noise reported)")
     p.add_argument("--calibrate-tree", default=None,
                    help="shape of the calibration run (default kary:4,2,1,1, or chain:4 for chain-only drafters)")
     p.add_argument("--calibrate-prompts", type=int, default=8)
@@ -253,14 +259,19 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
     timed here; each concurrency planned for one call of --tokens tokens per row (default 128). What "auto" would
     run is the pick; "best predicted" is the planner's best shape before auto's margin over plain decoding."""
     tokens = args.tokens or 128
-    print(f"measuring on this device ({local_device()}) as generate(..., tree='auto') does: per concurrency a "
-          f"calibration run, loop timings and pass costs; scored as one call of {tokens} tokens per row on the "
-          f"held-out prompts (--device h100|h200|cpu|PROFILE.json plans by a model instead)")
+    how = ("in full (--full)" if args.full else
+           "quickly (chains 1,2,4, three timed rounds; --full measures as 'auto' does, minutes a batch on a CPU)")
+    print(f"measuring on this device ({local_device()}) {how}: per concurrency a calibration run, loop timings and "
+          f"pass costs; scored as one call of {tokens} tokens per row on the held-out prompts (--device "
+          f"h100|h200|cpu|PROFILE.json plans by a model instead)", flush=True)
     rows = []
     for batch in batches:
+        start = time.perf_counter()
         _, info = auto_shape(target, drafter, calibration_prompts(target, batch), trees=True, sampling=SamplingConfig(),
-                             seed=0, eos_token_id=None, max_new_tokens=tokens)
-        rows.append({"batch": batch, **{k: v for k, v in info.items() if k != "cached"}})
+                             seed=0, eos_token_id=None, max_new_tokens=tokens, quick=not args.full)
+        rows.append({"batch": batch, **{k: v for k, v in info.items() if k != "cached"},
+                     "measure_s": time.perf_counter() - start})
+        print(f"concurrency {batch}: measured in {rows[-1]['measure_s']:.0f} s", flush=True)
     lines = ["| concurrency | pick (what 'auto' runs) | predicted speedup | best predicted (tau, speedup) | "
              "runner-up (tau, speedup) | margin |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -268,8 +279,11 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
             f"{r['runner_up']} ({r['runner_up_tau']:.2f}, {r['runner_up_speedup']:.2f}x)"
         lines.append(f"| {r['batch']} | {r['shape']} | {r['predicted_speedup']:.2f}x | {r['best_predicted']} "
                      f"({r['best_predicted_tau']:.2f}, {r['best_predicted_speedup']:.2f}x) | {other} | "
-                     f"{r['margin']:.1%} |")
+                     f"{r['margin']:.1%}{' (undecided)' if r['undecided'] else ''} |")
     print("\n".join(lines))
+    if any(r["undecided"] for r in rows):
+        print("undecided: the best shape's predicted gain is inside the timings' noise (the margin), so 'auto' "
+              "runs plain decoding there" + ("" if args.full else "; --full times such loops again, longer"))
     print(f"cost: {rows[-1]['cost']}")
     report |= {"model": "measured", "tokens": tokens, "choices": rows}
     if args.plot:
@@ -294,8 +308,9 @@ def memory_main(args: argparse.Namespace) -> int:
         hf = read_json(path) if path.is_file() else read_hf_config(path)
         cfg = ModelConfig.from_hf(hf)
         mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
-        plans = [memory_plan(cfg, path.name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp)
-                 for d in devices]
+        name = path.parent.resolve().name if path.is_file() else path.name  # DIR/config.json: the model is DIR
+        plans = [memory_plan(cfg, name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp,
+                             read_scheme(hf)) for d in devices]
     else:
         if args.tensor_parallel != 1:
             raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 import weakref
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import TqdmWarning
 
 from specjax.decoding.request import batch_bucket, prompt_ids, timing_context
 from specjax.decoding.tree import TreeSpec, chain, kary
@@ -23,6 +24,10 @@ from specjax.multihost import agreed, agreed_json
 from specjax.planning.calibration import RUN_MAX_REPEATS, RUN_MIN_TIME_S, RUN_REPEATS, calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import pass_costs, time_propose, with_loop_times
+
+with warnings.catch_warnings():  # in a notebook kernel without ipywidgets tqdm.auto warns, then uses the text bar
+    warnings.simplefilter("ignore", TqdmWarning)
+    from tqdm.auto import tqdm
 
 CALIBRATION_TREE = (4, 2, 1, 1)  # kary: ranks 0..3 at depth 1, ranks 0..1 below, four levels deep
 CALIBRATION_CHAIN = 4
@@ -42,6 +47,15 @@ AUTO_MIN_GAIN = 0.02
 # those timings. plan_check at replay 0.6, batch 8: chain:2 predicted 1.075x under a margin of 8.5%, so "auto" decoded
 # plainly (0.99x) where chain:1 measured 1.09x.
 RETIME_FACTOR = 4
+# `specjax plan`'s default (quick=True): a bounded measurement per batch, the loops timed QUICK_REPEATS rounds of
+# QUICK_TIMING_TOKENS and never again, chains of QUICK_CHAINS (every one a compile), a gain inside the noise reported
+# as such (the plan's "undecided") rather than chased; `specjax plan --full` and generate(..., "auto") measure as
+# above. The README's `specjax plan --drafter checkpoints/tiny/eagle3 --concurrency 1,8,32 --tokens 64` took over
+# 15 minutes in full on this 2-core machine under load (stopped there); quick, 100 s of CPU time (timing over 64
+# tokens, its compiles cached) and 144 s (over 32, compiled afresh), 7 and 12 minutes of wall time at load 15-19.
+QUICK_REPEATS = 3
+QUICK_CHAINS = (1, 2, 4)
+QUICK_TIMING_TOKENS = 32  # the loops timed over this many tokens (and a quarter of it), not CALIBRATION_TOKENS
 # Target -> {key: AutoMeasurements}: per Target object (a target loaded on another mesh is another object, measured
 # on its own mesh; its loops' compile keys hold their arguments' shardings, request.params_signature)
 _AUTO_PLANS: weakref.WeakKeyDictionary | None = None
@@ -61,11 +75,12 @@ class AutoMeasurements:
     prefill_s: float
     times: Any  # profile.RunTimes: the loop timings, whose noise sets the margin
     retimed_from: float | None = None  # the margin before the loops were timed again (None: timed once)
+    quick: bool = False  # measured quickly (QUICK_REPEATS, QUICK_CHAINS): never timed again
     plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
 def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_token_id,
-               max_new_tokens: int) -> tuple[TreeSpec | None, dict[str, Any]]:
+               max_new_tokens: int, quick: bool = False) -> tuple[TreeSpec | None, dict[str, Any]]:
     """The draft shape for this call: planned from measurements cached per (target, drafter, batch bucket),
     made now when there are none.
 
@@ -76,7 +91,8 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     corrected to the rounds timed in the loop (`profile.with_loop_times`). Planning: `plan` at this batch bucket
     for this call (its prefill, and its slowest row after max_new_tokens); a gain inside the timings' noise times
     the loops again (RETIME_FACTOR). Returns (None for "off", or the TreeSpec) and the record that goes into
-    out.stats["plan"].
+    out.stats["plan"]. quick: measure as `specjax plan` does by default (QUICK_REPEATS, QUICK_CHAINS, no retiming);
+    its measurements are cached like the others, so a generate(..., "auto") after it plans from them.
     """
     global _AUTO_PLANS
     if _AUTO_PLANS is None:
@@ -97,14 +113,15 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
         sibling = cached.get((drafter, batch, not trees, sampling))  # the same loops timed for the other kind
         timed = None if sibling is None or sibling.params is not drafter.params else sibling
         measured = cached[key] = _measure_for_auto(target, drafter, prompts, batch, trees, max_chain, context, run,
-                                                   timed)
+                                                   timed, quick)
     if max_new_tokens in measured.plans:
         spec, info = measured.plans[max_new_tokens]
         return spec, {**info, "cached": True, "plan_s": time.perf_counter() - start}
     call = Call(max_new_tokens, lambda b: measured.prefill_s)
     choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     undecided = 1 + AUTO_MIN_GAIN <= best.speedup < 1 + margin and measured.retimed_from is None
-    if agreed(np.asarray(undecided)):  # one decision across a multi-host job: the timing runs are collectives
+    # one decision across a multi-host job: the timing runs are collectives; a quick measurement reports the noise
+    if agreed(np.asarray(undecided and not measured.quick)):
         measured = cached[key] = _retimed(measured, target, drafter, prompts, batch, run, best, margin)
         choice, best, margin = _best_shape(measured, target, drafter, batch, trees, max_chain, context, call)
     chosen = best.shape
@@ -119,6 +136,7 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
             "runner_up_speedup": None if choice.runner_up is None else choice.runner_up.speedup,
             "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
             "margin": margin, "margin_before_retiming": measured.retimed_from,
+            "undecided": bool(1 + AUTO_MIN_GAIN <= best.speedup < 1 + margin), "quick": measured.quick,
             "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
             "cached": False}
     # Each process of a multi-host job timed its own loops: all of them run the plan process 0 made.
@@ -158,12 +176,15 @@ def _retimed(measured: AutoMeasurements, target, drafter, prompts, batch: int, r
 
 
 def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_chain: int, context: int,
-                      run: dict[str, Any], timed: AutoMeasurements | None = None) -> AutoMeasurements:
+                      run: dict[str, Any], timed: AutoMeasurements | None = None,
+                      quick: bool = False) -> AutoMeasurements:
     """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop (taken from
     `timed`, the same drafter's measurements at this batch for the other kind of shape, when there are some:
     the timed loops are chains either way)."""
     spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
-    chains = sorted({min(k, max_chain) for k in TIMED_CHAINS})
+    chains = sorted({min(k, max_chain) for k in (QUICK_CHAINS if quick else TIMED_CHAINS)})
+    budget = {"repeats": QUICK_REPEATS, "min_time_s": 0.0, "max_repeats": QUICK_REPEATS,
+              "max_new_tokens": min(QUICK_TIMING_TOKENS, run["max_new_tokens"])} if quick else {}
     # The first "auto" call for a batch bucket compiles and times a dozen loops (tens of seconds on a CPU): say so.
     with tqdm(total=1 if timed else 3, desc=f"specjax auto (batch {batch}): calibrating acceptance", leave=False,
               file=sys.stderr) as bar:
@@ -172,7 +193,7 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
         if timed is None:
             bar.set_description(f"specjax auto (batch {batch}): timing chains {','.join(map(str, chains))} and plain")
             # Rounds are timed on chains, whose drafting the profile's draft_s(batch, depth) models exactly.
-            times = run_times(target, drafter, prompts, chains, **run)
+            times = run_times(target, drafter, prompts, chains, **{**run, **budget})
             bar.update()
             bar.set_description(f"specjax auto (batch {batch}): timing verify passes and drafting")
             base = pass_costs(target, drafter, batch, context)
@@ -184,7 +205,8 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
                              "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
                             base, with_loop_times(base, times, batch), times.prefill_s, times,
-                            None if timed is None else timed.retimed_from)
+                            None if timed is None else timed.retimed_from,
+                            quick=quick if timed is None else timed.quick)
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,

@@ -1,6 +1,7 @@
 """The memory plan: what one device of a tensor-parallel target holds, and what is left for a batch.
 
-Per device, by the split of tensor_parallel.split_model: the target's weights; its KV cache per cached token of one
+Per device, by the split of tensor_parallel.split_model: the target's weights (a quantized checkpoint's at their
+quantized size: `weight_bytes`); its KV cache per cached token of one
 row (K and V of every full-attention layer, its kv heads: split when n divides them, else all of them); a hybrid's
 recurrent state per row (each Gated DeltaNet layer's fp32 state [Hv, dk, dv] and its conv window [K - 1, C] in
 the model dtype, over the value heads and channels the device holds); and the draft's share: a drafter given
@@ -35,6 +36,7 @@ import jax
 
 from specjax.config import ModelConfig, text_config
 from specjax.convert.hf_files import read_hf_config, safetensors_files
+from specjax.convert.quantized import QuantScheme, bytes_per_weight
 from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 from specjax.planning.presets import SERVED
 from specjax.planning.profile import DEVICES, DTYPE_BYTES, DeviceSpec, check_tensor_parallel
@@ -71,6 +73,7 @@ class MemoryPlan:
     batch: int
     context: int
     replicated: tuple[str, ...] = ()
+    quantization: str = ""  # the checkpoint's quant_method ("" for bf16 / fp32 weights)
 
     @property
     def cache_bytes(self) -> float:
@@ -165,9 +168,30 @@ def checkpoint_draft(path: str | Path) -> Draft:
                  float(2 * layers * kv_heads * head_dim * width))
 
 
+def weight_bytes(cfg: ModelConfig, shards, scheme: QuantScheme | None = None) -> float:
+    """One device's target weights in bytes: every parameter in the model dtype, except, for a quantized
+    checkpoint, the weights specjax keeps quantized (convert/hf.py: a dense model's attention and dense-MLP
+    linears not in the config's ignore list) at `bytes_per_weight`; MoE experts, a hybrid's layers and the
+    lm_head are dequantized at load, so they count at the model dtype."""
+    width = DTYPE_BYTES[str(cfg.dtype)]
+    total = cfg.num_params(shards=shards) * width
+    if scheme is None or cfg.is_hybrid:
+        return total
+    share = (lambda count, axis: count / shards.get(axis, 1)) if shards else (lambda count, axis: count)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    sizes = {"self_attn.q_proj": share(d * cfg.num_heads * hd, "heads"), "self_attn.o_proj": share(
+        d * cfg.num_heads * hd, "heads"), "self_attn.k_proj": share(d * cfg.num_kv_heads * hd, "kv_heads"),
+        "self_attn.v_proj": share(d * cfg.num_kv_heads * hd, "kv_heads")}
+    mlp = {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in ("gate", "up", "down")}
+    quantized = sum(n for i in range(cfg.num_layers) for name, n in {**sizes, **({} if cfg.is_sparse(i) else mlp)}
+                    .items() if not scheme.ignored(f"model.layers.{i}.{name}"))
+    return total - quantized * width + quantized * bytes_per_weight(scheme)
+
+
 def memory_plan(cfg: ModelConfig, model: str, device: DeviceSpec, n: int, batch: int, context: int,
-                draft: Draft | None = None, mtp_layers: int = 0) -> MemoryPlan:
-    """One device's memory plan for `cfg` split over n devices of `device` (module docstring)."""
+                draft: Draft | None = None, mtp_layers: int = 0, scheme: QuantScheme | None = None) -> MemoryPlan:
+    """One device's memory plan for `cfg` split over n devices of `device` (module docstring); `scheme`: the
+    checkpoint's quantization (convert/quantized.read_scheme), whose quantized weights count at their size."""
     if batch < 1 or context < 0:
         raise ValueError(f"the memory plan needs --batch >= 1 and --context >= 0, got {batch} and {context}")
     if device.memory_bytes is None:
@@ -175,10 +199,9 @@ def memory_plan(cfg: ModelConfig, model: str, device: DeviceSpec, n: int, batch:
         raise ValueError(f"{device.name} has no memory size in DEVICES: plan memory with --device {' or '.join(known)}")
     check_tensor_parallel(device, n)
     tp = split_model(cfg, n)
-    weights = cfg.num_params(shards=tp.shards) * DTYPE_BYTES[str(cfg.dtype)]
-    return MemoryPlan(model, device.name, n, device.memory_bytes, weights, kv_bytes_per_token(cfg, tp),
-                      recurrent_bytes(cfg, tp), draft or typical_draft(cfg, mtp_layers, tp), batch, context,
-                      tuple(replicated(cfg, tp)))
+    return MemoryPlan(model, device.name, n, device.memory_bytes, weight_bytes(cfg, tp.shards, scheme),
+                      kv_bytes_per_token(cfg, tp), recurrent_bytes(cfg, tp), draft or typical_draft(cfg, mtp_layers, tp),
+                      batch, context, tuple(replicated(cfg, tp)), quantization=scheme.method if scheme else "")
 
 
 def served_plans(batch: int, context: int, devices=("h100", "h200"), draft: Draft | None = None) -> list[MemoryPlan]:
@@ -199,7 +222,8 @@ def format_memory(plans: list[MemoryPlan]) -> str:
              "per row MiB | draft: weights GiB + KV per token KiB | batch x context | KV + state GiB | free GiB | "
              "max batch |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in plans:
-        lines.append(f"| {p.model} | {p.device} ({p.capacity / gib:.1f} GiB) | {p.tensor_parallel} | "
+        model = f"{p.model} ({p.quantization})" if p.quantization else p.model
+        lines.append(f"| {model} | {p.device} ({p.capacity / gib:.1f} GiB) | {p.tensor_parallel} | "
                      f"{p.weight_bytes / gib:.2f} | {p.kv_bytes_per_token / kib:.0f} | "
                      f"{p.kv_bytes_per_token * 1000 / mib:.1f} | {p.state_bytes_per_row / mib:.1f} | "
                      f"{p.draft.what}: {p.draft.weight_bytes / gib:.2f} + {p.draft.kv_bytes_per_token / kib:.0f} | "

@@ -389,10 +389,11 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
     if tree_ok and table is None:
         table = best_trees(p_R, max_nodes, max_depth)
     choices = []
+    shapes: dict[tuple[int, int], Shape] = {}  # the DP's trees rebuilt once for all batches (n, depth) -> Shape
     for b in batches:
         cands = [score(s, b, verify_s, draft_s, plain_s, call) for s in [Shape("off", None, 1.0), *chains]]
         if tree_ok:
-            tree = _best_tree_at(table, b, verify_s, draft_s, p_R, plain_s, call)
+            tree = _best_tree_at(table, b, verify_s, draft_s, p_R, plain_s, call, shapes)
             if all(c.shape.spec != tree.shape.spec for c in cands):  # the DP's best may be one of the chains
                 cands.append(tree)
         cands.sort(key=lambda s: -s.speedup)
@@ -401,17 +402,23 @@ def plan(p: Sequence[float], batches: Sequence[int], verify_s: Callable[[int, in
 
 
 def _best_tree_at(table: TreeTable, batch: int, verify_s, draft_s, p_R: np.ndarray, plain_s=None,
-                  call: Call | None = None) -> Scored:
+                  call: Call | None = None, shapes: dict | None = None) -> Scored:
     """The best tree at this batch: per node budget the DP cell (depth) with the most tau per round time, each
     rebuilt and rescored as it really is (it may use fewer nodes or levels than its cell; with a call, its
-    slowest row depends on more than tau), and the best of those."""
+    slowest row depends on more than tau), and the best of those. shapes: the cells' trees rebuilt so far, by
+    (n, depth), shared by a plan's batches."""
+    shapes = {} if shapes is None else shapes
     plain = plain_step(verify_s, plain_s, batch)
     verify_N = np.array([np.inf, np.inf] + [verify_s(batch, n) for n in range(2, table.max_nodes + 1)])
     draft_D = np.array([draft_s(batch, d) for d in range(table.max_depth + 1)])
     speed_ND = table.tau_ND * plain / (verify_N[:, None] + draft_D[None, :])
     speed_ND[:, 0] = -np.inf
-    specs = dict.fromkeys(table.tree(n, int(np.argmax(speed_ND[n]))) for n in range(2, table.max_nodes + 1))
-    scored = [score(shape_of(spec, p_R), batch, verify_s, draft_s, plain_s, call) for spec in specs]
+    cells = [(n, int(np.argmax(speed_ND[n]))) for n in range(2, table.max_nodes + 1)]
+    for cell in cells:
+        if cell not in shapes:
+            shapes[cell] = shape_of(table.tree(*cell), p_R)
+    unique = {shapes[cell].spec: shapes[cell] for cell in cells}
+    scored = [score(shape, batch, verify_s, draft_s, plain_s, call) for shape in unique.values()]
     return max(scored, key=lambda c: (c.speedup, -c.shape.nodes))
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -21,9 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from tqdm.auto import tqdm
+from tqdm import TqdmWarning
 
 from specjax.train.losses import LossFn
+
+with warnings.catch_warnings():  # in a notebook kernel without ipywidgets tqdm.auto warns, then uses the text bar
+    warnings.simplefilter("ignore", TqdmWarning)
+    from tqdm.auto import tqdm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,189 @@
+"""Speculation following the live load: the engine's shape choice against time under a ramp, and, at fixed
+concurrencies, "auto" against "off" and every fixed chain.
+
+    python scripts/bench_engine_load.py --preset 300m --drafters replay:0.6,replay:0.9,draft --slots 16 \
+        --out runs/engine_load.json --plot runs/engine_load.png
+
+The target is a random model large enough that decode is bandwidth-bound here (`--preset 300m`, 246M parameters,
+as scripts/load_curve.py uses). Drafts come from the replay drafter (specjax/drafters/replay.py) keyed by prompt,
+so a request finds its own continuation in whatever slot it lands: each draft is the target's true next token with
+probability alpha, drafting costs nothing, and acceptance is set exactly ("replay:ALPHA"); or from the preset's
+random draft model ("draft": a real drafter that costs its forward passes and is almost never right, so the
+engine should learn to keep speculation off).
+
+1. Fixed concurrency c (`--concurrency`): `--requests` requests kept c in flight (a new one submitted as one ends),
+   through one engine per setting: "auto" (off or a chain of `--chains`, chosen per chunk), "off", and each fixed
+   chain. Settings run interleaved, `--repeats` times; tokens/s medians are reported, and auto / off and
+   auto / best fixed per concurrency.
+2. A ramp: target concurrency 1 -> --slots -> 1 in steps of `--step-s` seconds through the "auto" engine; the shape
+   it chose (engine.stats()["shapes_over_time"]) against time, beside the live occupancy sampled every 50 ms.
+Every engine is warmed up first (compile and cost profile), and nothing compiles during the timed runs (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+import specjax
+from specjax.bench.ar import PRESETS, machine_info
+from specjax.bench.spec import preset_pair
+from specjax.drafters.replay import replay_drafter
+
+
+def keep_in_flight(engine, prompts, budget: int, concurrency, duration_s: float | None = None,
+                   total: int | None = None, samples: list | None = None) -> tuple[int, float]:
+    """Keep concurrency() requests in flight (a callable of elapsed seconds, or an int) until `total` requests have
+    finished or `duration_s` has passed; returns (tokens, seconds). samples: (t, occupancy) appended every 50 ms."""
+    target_c = concurrency if callable(concurrency) else (lambda t: concurrency)
+    start, tokens, submitted, finished = time.perf_counter(), 0, 0, 0
+    inflight = []
+    while True:
+        now = time.perf_counter() - start
+        if (total is not None and finished >= total) or (duration_s is not None and now >= duration_s):
+            break
+        for h in [h for h in inflight if h.done()]:
+            inflight.remove(h)
+            tokens += len(h.result().tokens)
+            finished += 1
+        while len(inflight) < target_c(now) and (total is None or submitted < total):
+            inflight.append(engine.submit(prompts[submitted % len(prompts)], max_new_tokens=budget,
+                                          eos_token_id=[], temperature=0.0))
+            submitted += 1
+        if samples is not None:
+            samples.append((round(now, 3), engine.stats()["occupancy"]))
+        time.sleep(0.05 if samples is not None else 0.002)
+    for h in inflight:
+        tokens += len(h.result().tokens)
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="300m", choices=sorted(PRESETS))
+    ap.add_argument("--drafters", default="replay:0.6,replay:0.9,draft")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--chains", default="1,2,4")
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--requests", type=int, default=32, help="requests per fixed-concurrency run")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--step-s", type=float, default=4.0, help="seconds per concurrency step of the ramp")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+
+    chains = [int(k) for k in args.chains.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    target, draft_model = preset_pair(args.preset, args.dtype, 0, "auto")
+    vocab = target.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(64)]
+    continuations = specjax.generate(target, prompts, max_new_tokens=args.tokens + 1, eos_token_id=[]).tokens
+    max_len = args.prompt_len + args.tokens + 16
+    record = {"script": "scripts/bench_engine_load.py", "args": vars(args), "machine": machine_info(),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "drafters": {}}
+    for which in args.drafters.split(","):
+        if which == "draft":
+            drafter = draft_model
+        elif which.startswith("replay:"):
+            drafter = replay_drafter(continuations, vocab, 1.0 - float(which.split(":")[1]), prompts=prompts)
+        else:
+            raise SystemExit(f"unknown drafter {which!r}: replay:ALPHA or draft")
+        settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains), "off": dict(num_draft_tokens="off"),
+                    **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains}}
+        engines = {}
+        for name, kw in settings.items():
+            engines[name] = specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False,
+                                           **kw)
+            warm = engines[name].warmup()
+            print(f"{which} {name}: warmup {warm:.1f} s, {engines[name].stats()['compiles']} compiles")
+        compiles = {name: e.stats()["compiles"] for name, e in engines.items()}
+        runs = {c: {name: [] for name in engines} for c in levels}
+        for rep in range(args.repeats):
+            for c in levels:
+                order = list(engines)
+                np.random.default_rng(rep * 100 + c).shuffle(order)
+                for name in order:
+                    tokens, seconds = keep_in_flight(engines[name], prompts, args.tokens, c, total=args.requests)
+                    runs[c][name].append(tokens / seconds)
+        table = []
+        for c in levels:
+            med = {name: statistics.median(v) for name, v in runs[c].items()}
+            best_fixed = max((n for n in med if n != "auto"), key=med.get)
+            table.append({"concurrency": c, "tok_s": med, "auto_vs_off": med["auto"] / med["off"],
+                          "best_fixed": best_fixed, "auto_vs_best": med["auto"] / med[best_fixed],
+                          "auto_shapes": [s for _, _, s in engines["auto"].stats()["shapes_over_time"]][-3:]})
+            print(f"{which} c={c}: " + ", ".join(f"{n} {v:.1f}" for n, v in med.items()) +
+                  f" | auto/off {med['auto'] / med['off']:.2f}, auto/best({best_fixed}) "
+                  f"{med['auto'] / med[best_fixed]:.2f}")
+        auto = engines["auto"]
+        history_from = len(auto.stats()["shapes_over_time"])
+        samples: list = []
+        ramp_began = time.perf_counter() - auto._started  # the engine's clock, which shapes_over_time uses
+        ramp = [1] + [c for c in (2 ** i for i in range(1, 10)) if c <= args.slots]
+        ramp = ramp + ramp[-2::-1]
+        ramp_s = args.step_s * len(ramp)
+        keep_in_flight(auto, prompts, args.tokens, lambda t: ramp[min(int(t // args.step_s), len(ramp) - 1)],
+                       duration_s=ramp_s, samples=samples)
+        stats = auto.stats()
+        record["drafters"][which] = {
+            "fixed": table, "ramp_levels": ramp, "step_s": args.step_s,
+            "ramp_shapes": stats["shapes_over_time"][history_from:], "ramp_occupancy": samples,
+            "compiles_after_warmup": {n: e.stats()["compiles"] - compiles[n] for n, e in engines.items()},
+            "policy": {k: stats[k] for k in ("round_ms", "dropped", "acceptance_at_depth")},
+            "ramp_began": ramp_began}
+        for e in engines.values():
+            e.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    if args.plot:
+        plot(record, args.plot)
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafters = record["drafters"]
+    fig, axes = plt.subplots(2, len(drafters), figsize=(6 * len(drafters), 7), squeeze=False)
+    for j, (which, r) in enumerate(drafters.items()):
+        ax = axes[0, j]
+        cs = [row["concurrency"] for row in r["fixed"]]
+        for name in r["fixed"][0]["tok_s"]:
+            ax.plot(cs, [row["tok_s"][name] for row in r["fixed"]], marker="o", label=name,
+                    linewidth=3 if name == "auto" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{which}: fixed concurrency")
+        ax.legend(fontsize=8)
+        ax = axes[1, j]
+        occ = np.array(r["ramp_occupancy"] or [(0, 0)])
+        ax.plot(occ[:, 0], occ[:, 1], color="gray", label="occupancy")
+        labels = sorted({s for _, _, s in r["ramp_shapes"]}, key=lambda s: (s != "off", s))
+        ax2 = ax.twinx()
+        times = [max(0.0, t - r["ramp_began"]) for t, _, _ in r["ramp_shapes"]]
+        ax2.step(times, [labels.index(s) for _, _, s in r["ramp_shapes"]], where="post", color="C3", label="shape")
+        ax2.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("live requests")
+        ax.set_title("ramp 1 -> max -> 1: shape chosen (red) beside occupancy (gray)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

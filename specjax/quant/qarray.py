@@ -1,0 +1,118 @@
+"""`QuantizedWeight`: a linear weight [..., in, out] stored quantized, dequantized inside the jitted matmul.
+
+One representation covers every format specjax reads: integer or FP8 values `q` [..., I, O] (the weight's own
+dtype: float8_e4m3fn, int8, int4), one `scale` per (input block, output block) [..., ceil(I / bi), ceil(O / bo)],
+an optional `zero` point of the same shape (asymmetric integer formats: w = (q - zero) * scale), and an optional
+`g_idx` [..., I] giving each input row's group (GPTQ's act-order; without it row i is in block i // bi).
+  block FP8 (DeepSeek-V3, Qwen FP8):  block (128, 128), ragged last blocks (the ceil)
+  per-channel (FP8-dynamic, INT8):    block (I, 1)
+  per-tensor:                         block (I, O)
+  grouped INT4 / INT8 (AWQ, GPTQ, compressed-tensors pack-quantized): block (group, 1)
+
+It is a pytree (leaves q, scale, zero, g_idx; block and compute dtype static), so it sits where a weight array
+sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by `lax.scan`, a leaf
+placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__` dequantizes in the
+activation's dtype inside the trace (the whole weight's meaning: each block times its own scale, so 128 x 128
+block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it.
+Why not google/qwix: its QArray needs scale tiles that divide the weight (no ragged 128-blocks), has no
+per-row group index (GPTQ act-order), and enters a model by intercepting nnx.Linear / einsum calls, which
+our functional modules (plain `x @ w` on param dicts under scan) do not make; the dequantizing matmul is ~40 lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    q: jax.Array                      # [..., I, O] quantized values (float8_e4m3fn, int8, int4)
+    scale: jax.Array                  # [..., ceil(I / bi) or groups, ceil(O / bo)]
+    zero: jax.Array | None = None     # like scale, in q's units (asymmetric integer formats)
+    g_idx: jax.Array | None = None    # [..., I] int32: each input row's scale row (GPTQ act-order)
+    block: tuple[int, int] = dataclasses.field(default=(1, 1), metadata=dict(static=True))
+    fmt: str = dataclasses.field(default="", metadata=dict(static=True))         # e.g. "fp8 block 128x128"
+    compute_dtype: str = dataclasses.field(default="bfloat16", metadata=dict(static=True))
+
+    # ---- array-like facts, so code that asks a weight its shape or dtype keeps working ----
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def dtype(self):
+        """The dtype the weight computes in (what a dense weight's dtype says)."""
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the quantized values (int4 counted at half a byte) plus scales, zero points and g_idx."""
+        return sum(leaf_bytes(x) for x in jax.tree.leaves(self))
+
+    def __getitem__(self, index):
+        """`param[...]` (how modules read a weight) returns the weight itself; an int takes one stacked entry."""
+        if index is Ellipsis:
+            return self
+        return jax.tree.map(lambda x: x[index], self)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        """x @ W: the weight dequantized to x's dtype (a fused producer of the matmul under jit), then the dot."""
+        return x @ self.dequantize(x.dtype)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The weight [..., I, O] as the format defines it: (q - zero) * scale of its block, in fp32, then cast."""
+        dtype = jnp.dtype(dtype or self.compute_dtype)
+        xp = np if isinstance(self.q, np.ndarray) else jnp
+        i, o = self.q.shape[-2:]
+        w = self.q.astype(np.float32)
+        if self.zero is not None:
+            w = w - self.expand(self.zero, i, o, xp).astype(np.float32)
+        return (w * self.expand(self.scale, i, o, xp).astype(np.float32)).astype(dtype)
+
+    def expand(self, per_block, i: int, o: int, xp):
+        """A per-block array [..., Gi, Go] repeated to [..., I, O] (rows by g_idx when given; last blocks ragged)."""
+        bi, bo = self.block
+        if self.g_idx is not None:
+            rows = xp.take_along_axis(per_block, self.g_idx[..., :, None].astype(np.int32), axis=-2) \
+                if per_block.ndim > 2 else per_block[self.g_idx]
+        elif bi == 1 or per_block.shape[-2] == i:
+            rows = per_block
+        else:
+            rows = xp.repeat(per_block, bi, axis=-2)[..., :i, :]
+        if bo != 1 and rows.shape[-1] != o:
+            rows = xp.repeat(rows, bo, axis=-1)[..., :o]
+        return rows
+
+
+def leaf_bytes(x) -> int:
+    """Bytes of one array, sub-byte dtypes (int4) counted at their bit width."""
+    bits = jnp.dtype(x.dtype).itemsize * 8 if jnp.dtype(x.dtype).name not in ("int4", "uint4") else 4
+    return math.ceil(int(np.prod(x.shape)) * bits / 8)
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def dequantize_tree(tree, dtype=None):
+    """Every QuantizedWeight in a params tree replaced by its dequantized array (the exact mode)."""
+    return jax.tree.map(lambda x: x.dequantize(dtype) if is_quantized(x) else x, tree, is_leaf=is_quantized)
+
+
+def quantized_formats(tree) -> list[str]:
+    """The distinct formats of a params tree's quantized weights, in order of first appearance."""
+    seen: list[str] = []
+    for x in jax.tree.leaves(tree, is_leaf=is_quantized):
+        if is_quantized(x) and x.fmt not in seen:
+            seen.append(x.fmt)
+    return seen
