@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -263,11 +262,7 @@ class Job:
 def build_app(server: Server) -> FastAPI:
     """The FastAPI application over a Server (its engine already warmed up; closed by whoever made it)."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-
-    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="specjax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
     @app.exception_handler(OpenAIError)
@@ -330,10 +325,11 @@ def build_app(server: Server) -> FastAPI:
 
 
 async def _abort_on_disconnect(request: Request, job: Job) -> None:
-    """Wait for the client to go away, then abort the job's unfinished requests (a no-op once they are done)."""
+    """Wait for the client to go away, then abort the job's unfinished requests and release them (a no-op once they
+    are done; also when a stream's body never started, so nothing else would)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.abort()
+    job.close()
 
 
 async def _whole(job: Job, fmt: Formatter) -> dict[str, Any]:

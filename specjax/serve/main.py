@@ -54,27 +54,23 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0):
         sock.close()
 
 
-def memory_lines(target, drafter_path: str | None, max_slots: int, max_len: int, tensor_parallel: int) -> list[str]:
-    """This server's memory plan per device, by specjax/planning/memory.py's accounting."""
-    from specjax.planning.memory import checkpoint_draft, kv_bytes_per_token, recurrent_bytes
+def memory_lines(target, engine, tensor_parallel: int) -> list[str]:
+    """This server's memory per device: the target's weights (specjax/planning/memory.py's count) and what the
+    engine's slots hold (its own plan, from the slots' traced shapes: KV cache, drafter state, buffers)."""
     from specjax.planning.profile import DTYPE_BYTES
     from specjax.planning.tensor_parallel import split_model
 
     cfg = target.cfg
-    tp = split_model(cfg, tensor_parallel)
-    weights = cfg.num_params(shards=tp.shards) * DTYPE_BYTES.get(str(cfg.dtype), 4)
-    per_token = kv_bytes_per_token(cfg, tp)
-    cache = max_slots * (max_len * per_token + recurrent_bytes(cfg, tp))
-    lines = [f"memory plan (per device, tensor parallel {tensor_parallel}): weights {weights / GIB:.3f} GiB; "
-             f"KV cache {max_slots} slots x {max_len} tokens x {per_token / 1024:.1f} KiB = {cache / GIB:.3f} GiB"]
-    if drafter_path and drafter_path != "ngram" and Path(drafter_path).is_dir():
-        try:
-            d = checkpoint_draft(drafter_path)
-            lines.append(f"  drafter: weights {d.weight_bytes / GIB:.3f} GiB + KV cache "
-                         f"{max_slots * max_len * d.kv_bytes_per_token / GIB:.3f} GiB")
-        except (ValueError, FileNotFoundError, KeyError) as err:
-            lines.append(f"  drafter: not counted ({err})")
-    return lines
+    weights = cfg.num_params(shards=split_model(cfg, tensor_parallel).shards) * DTYPE_BYTES.get(str(cfg.dtype), 4)
+    plan = engine.stats().get("memory") or {}
+    line = f"memory plan (per device, tensor parallel {tensor_parallel}): target weights {weights / GIB:.3f} GiB"
+    if plan:
+        line += (f"; {engine.max_slots} slots x {engine.max_len} tokens {plan['slots_bytes'] / GIB:.3f} GiB "
+                 f"({plan['slot_bytes'] / 2**20:.1f} MiB a slot: KV cache, drafter state, buffers) + prefill scratch "
+                 f"{plan['prefill_scratch_bytes'] / GIB:.3f} GiB")
+        if plan.get("free_bytes") is not None:
+            line += f"; {plan['free_bytes'] / GIB:.2f} GiB free before"
+    return [line]
 
 
 def serving_mesh(tensor_parallel: int | None, mesh: tuple[int, int] | None):
@@ -119,13 +115,12 @@ def main(args) -> int:
     if shape == "off":  # speculation off: the plain loop, no drafter to hold or warm up
         drafter = None
     max_logprobs = None if args.max_logprobs < 0 else args.max_logprobs
-    tp = args.tensor_parallel or (args.mesh[1] if args.mesh else 1)
-    for line in memory_lines(target, args.drafter, args.max_slots, args.max_len, tp):
-        print(line, flush=True)
     engine = Engine(target, drafter, max_slots=args.max_slots, max_len=args.max_len, num_draft_tokens=shape,
                     tree=args.tree, logprobs=max_logprobs, penalties=not args.no_penalties,
                     sampling=not args.greedy_only)
     try:
+        for line in memory_lines(target, engine, args.tensor_parallel or (args.mesh[1] if args.mesh else 1)):
+            print(line, flush=True)
         devices = jax.devices()
         print(f"warming up: compiling every executable ({len(devices)} {devices[0].platform} device(s))", flush=True)
         warm = engine.warmup()
