@@ -17,7 +17,7 @@ from typing import Any
 
 SETTINGS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs",
             "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-            "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs"}
+            "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs", "eos_token_id"}
 
 
 @dataclasses.dataclass

@@ -95,6 +95,9 @@ def test_completion(chat_server, chat_target):
     assert out.object == "text_completion" and out.model == "tiny" and out.id.startswith("cmpl-")
     settings = engine.submitted[-1]
     assert settings["max_new_tokens"] == 7 and settings["temperature"] == 0 and "logprobs" not in settings
+    assert "eos_token_id" not in settings
+    client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+    assert engine.submitted[-1]["eos_token_id"] == []
     # unset: OpenAI's defaults (this checkpoint's generation_config.json sets none); 16 tokens on /v1/completions
     client(url).completions.create(model="tiny", prompt=[5, 6, 7])
     assert {k: engine.submitted[-1][k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p")} == \
@@ -288,7 +291,7 @@ def test_non_streamed_disconnect_aborts(target):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [3], "max_tokens": 120}, timeout=0.3)
         deadline = time.time() + 5
-        while server.pending and time.time() < deadline:
+        while (server.pending or engine.running) and time.time() < deadline:
             time.sleep(0.05)
         assert server.pending == 0 and not engine.running
         assert 'specjax:request_success_total{finished_reason="abort"} 1.0' in httpx.get(f"{url}/metrics").text

@@ -115,6 +115,8 @@ class Server:
             s["include_stop_str_in_output"] = True
         if not req.skip_special_tokens:
             s["skip_special_tokens"] = False
+        if req.ignore_eos:
+            s["eos_token_id"] = []  # no EOS ids: only max_tokens, stop strings and stop_token_ids end it
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0)):
             if getattr(req, name) != neutral:
                 s[name] = getattr(req, name)

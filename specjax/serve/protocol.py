@@ -55,6 +55,7 @@ class Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    ignore_eos: bool = False  # vLLM's: generate past EOS (benchmarks at set output lengths)
     user: str | None = None  # OpenAI's end-user id: accepted, unused
 
 
