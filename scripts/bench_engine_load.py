@@ -11,7 +11,7 @@ probability alpha, drafting costs nothing, and acceptance is set exactly ("repla
 random draft model ("draft": a real drafter that costs its forward passes and is almost never right, so the
 engine should learn to keep speculation off).
 
-1. Fixed concurrency c (`--concurrency`): `--requests` requests kept c in flight (a new one submitted as one ends),
+1. Fixed concurrency c (`--concurrency`): max(`--requests`, 4c) requests kept c in flight (a new one submitted as one ends),
    through one engine per setting: "auto" (off or a chain of `--chains`, chosen per chunk), "off", and each fixed
    chain. Settings run interleaved, `--repeats` times; tokens/s medians are reported, and auto / off and
    auto / best fixed per concurrency.
@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--chains", default="1,2,4")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("--requests", type=int, default=32, help="requests per fixed-concurrency run")
+    ap.add_argument("--requests", type=int, default=8,
+                    help="requests per fixed-concurrency run (at least 4 x the concurrency)")
     ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
@@ -114,7 +115,8 @@ def main() -> None:
                 order = list(engines)
                 np.random.default_rng(rep * 100 + c).shuffle(order)
                 for name in order:
-                    tokens, seconds = keep_in_flight(engines[name], prompts, args.tokens, c, total=args.requests)
+                    tokens, seconds = keep_in_flight(engines[name], prompts, args.tokens, c,
+                                                     total=max(args.requests, 4 * c))
                     runs[c][name].append(tokens / seconds)
         table = []
         for c in levels:

@@ -11,15 +11,22 @@
 #   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls and whether XLA fuses the
 #                                  dequantization into the GEMM, a random 8B target's decode in bf16 vs FP8 vs INT4,
 #                                  speculation on the FP8 target, the quantized-format tests
+#   scripts/gpu_checks.sh blocktrees  one-pass block trees (DFlash/DSpark, JetSpec's construction): the compiled
+#                                  kernel on a 256-node tree, the parity tests, the tiny heads' trees vs chains
+#   scripts/gpu_checks.sh compile [PART]  no GPU needed: compile PART's graphs (dense by default) deviceless for
+#                                  $SPECJAX_GPU_KIND (h100 | h200; default h100) here, before asking for a lent
+#                                  machine (specjax compile, docs/gpu_compile.md); exits non-zero on a compile error
 #   scripts/gpu_checks.sh tp       tensor parallelism: jax's all-reduce of [tokens, hidden] bf16 over 2, 4, 8 GPUs
 #                                  against the planner's ring model; a random 8B target on one GPU and split over
 #                                  all of them (plain and a replay chain, tokens compared, times side by side, the
 #                                  kernel under shard_map). Skipped, saying so, on one GPU
 #   scripts/gpu_checks.sh engine   the engine (continuous batching, speculation following the live load) on a random
 #                                  8B target: replay at 0.6 / 0.9 and a random draft model, concurrency 1..64
-# Every command runs under `timeout` (the serve part's: 560 s); the dense part's timeouts add up to 565 s (9 min 25 s), the
-# hybrid part's to 565 s (9 min 25 s), the moe part's to 555 s (9 min 15 s), the quant part's to 585 s (9 min 45 s)
-# and the tp part's to 525 s (8 min 45 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# Every command runs under `timeout`; on a GPU every part first compiles the kernel's block-plan sweep deviceless for
+# the lent card's kind (30 s; when a graph fails to compile the script stops there, before any GPU step); with it the dense
+# part's timeouts add up to 595 s (9 min 55 s), the hybrid part's to 595 s, the moe part's to 585 s (9 min 45 s), the
+# quant part's to 585 s, the blocktrees part's to 595 s, the engine part's to 575 s (9 min 35 s), the serve part's to 590 s (9 min 50 s) and the tp part's to
+# 555 s (9 min 15 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -45,7 +52,29 @@ step() {
 }
 
 timeout 30 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+if [ "${1:-}" = "compile" ]; then
+    # Deviceless, on this machine: the graphs the named part runs, compiled for the card it will run on.
+    kind=${SPECJAX_GPU_KIND:-h100}
+    case ${2:-dense} in
+        hybrid) graphs=(--preset qwen35_9b --batch 1 8 --drafts plain,chain --kernels ci) ;;
+        moe) graphs=(--preset qwen3_30b_a3b --batch 1 8 --drafts plain,chain --kernels ci) ;;
+        tp) graphs=(--topology 1x1x8 --preset 8b --batch 1 16 --drafts plain,chain --kernels none) ;;
+        *) graphs=(--preset 8b --batch 1 8 64 --drafts plain,chain --kernels ci) ;;
+    esac
+    step compile env JAX_PLATFORMS=cpu python -m specjax.cli compile --device "$kind" "${graphs[@]}" \
+        --out "$out/compile.json"
+    exit "${codes[0]}"
+fi
 step gpu timeout 15 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+# 0. The kernel's block-plan sweep compiled deviceless for this card's kind (CPU only, no GPU time): a compile error
+#    stops the script here, before the GPU steps spend the session's minutes on it.
+kind=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | grep -io 'h100\|h200' | tr 'A-Z' 'a-z')
+step compile timeout 30 env JAX_PLATFORMS=cpu python -m specjax.cli compile --device "${kind:-h100}" --preset \
+    --kernels ci --out "$out/compile.json"
+if [ "${codes[-1]}" = 1 ]; then  # a graph failed to compile (a timeout, 124, lets the GPU steps run)
+    echo "=== the deviceless compile failed: no GPU step runs (see $out/compile.log)"
+    exit 1
+fi
 if [ "${1:-}" = "hybrid" ]; then
 # H1. Qwen3.5-9B shapes, bf16, batch-1 decode: weight-read bandwidth (the DeltaNet state adds 96 MiB per row).
 step bench_ar_qwen35 timeout 120 python scripts/bench.py ar --preset qwen35_9b --batch 1 \
@@ -86,10 +115,19 @@ elif [ "${1:-}" = "quant" ]; then
 #     each dequantized inside the jitted matmul; whether XLA fuses the dequantization into the GEMM (compiled HLO,
 #     kept beside the JSON); a random 8B target's batch-1 decode in bf16, FP8 and INT4 (ms per token, bytes held);
 #     replay chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
-step bench_quant_8b timeout 420 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
+step bench_quant_8b timeout 390 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
     --formats fp8 int4 --tokens 64 --repeats 3 --spec 3 --hlo --out "$out/bench_quant_8b.json"
 # Q2. The quantized-format parity tests on the GPU (block FP8 end to end, compressed-tensors, AWQ).
 step quant_tests timeout 150 python -m pytest -q tests/test_quantized.py tests/test_quantized_formats.py
+elif [ "${1:-}" = "blocktrees" ]; then
+# B1. One-pass block trees on the GPU: the 256-node tree's mask through the compiled Pallas kernel against XLA,
+#     JetSpec's fixtures (head forward, tree, accepted path), and the trees' greedy equality with plain decoding.
+step block_tree_tests timeout 150 python -m pytest -q tests/test_block_tree.py tests/test_jetspec.py \
+    tests/test_dflash.py -k "block_tree or jetspec or one_pass or heap or template or load"
+# B2. The embedded DFlash / DSpark heads: chains vs trees of 15, 63, 255 drafts at B = 1, 8, 32 (tau, tokens/s,
+#     outputs equal to plain decoding) and the planner's pick per batch on this GPU's roofline.
+step bench_block_trees timeout 400 python scripts/bench_block_trees.py --batches 1,8,32 \
+    --out "$out/block_trees.json"
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
 #     (Llama-3.3-70B's hidden) for 1 to 1024 tokens over 2, 4, ... of the GPUs, next to the ring model (NCCL's
@@ -112,7 +150,7 @@ elif [ "${1:-}" = "engine" ]; then
 # E1. specjax.Engine, random 8B target in bf16, 64 slots: per drafter (replay 0.6, replay 0.9, the random 1B-shaped
 #     draft model) "auto" against "off" and chains of 1, 2, 4 at concurrency 1, 4, 16, 64, then a ramp 1 -> 64 -> 1
 #     with the shape chosen against time (JSON and plot).
-step engine_load timeout 560 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
+step engine_load timeout 530 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
     --requests 64 --tokens 64 --repeats 1 --step-s 3 --out "$out/engine_load.json" --plot "$out/engine_load.png"
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).

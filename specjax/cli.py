@@ -208,6 +208,19 @@ def _bench_serve(args) -> int:
     return main(args)
 
 
+def _plan(args) -> int:
+    """`specjax plan`; with --memory --compiled the memory plan beside the compiler's figure (specjax/aot/memory.py)."""
+    from specjax.planning.advisor import memory_cases, plan_main
+
+    if not args.compiled:
+        return plan_main(args)
+    if not args.memory:
+        raise ValueError("--compiled checks the memory plan against the compiler: add --memory")
+    from specjax.aot.memory import compiled_memory_main
+
+    return compiled_memory_main(args, memory_cases(args))
+
+
 def _demo(args) -> int:
     from specjax.demo import EMBEDDED, run_demo
 
@@ -306,11 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, help="only the methods whose name contains this, e.g. EAGLE-3")
     p.set_defaults(fn=_demo)
 
-    from specjax.planning.advisor import add_plan_arguments, add_profile_arguments, plan_main, profile_main
+    from specjax.planning.advisor import add_plan_arguments, add_profile_arguments, profile_main
 
     p = sub.add_parser("plan", help="best draft shape per concurrency (tree, chain K or off), predicted speedup")
     add_plan_arguments(p)
-    p.set_defaults(fn=plan_main)
+    p.set_defaults(fn=_plan)
     p = sub.add_parser("profile", help="time verify rounds and drafting on this device; write a profile JSON")
     add_profile_arguments(p)
     p.set_defaults(fn=profile_main)
@@ -321,6 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "on the engine")
     add_serve_args(p)
     p.set_defaults(fn=_serve)
+
+
+    from specjax.aot.compile import add_arguments as add_compile
+    from specjax.aot.compile import main as compile_main
+
+    p = sub.add_parser("compile", help="compile the production graphs for an H100 or H200 (deviceless without one): "
+                                       "compile seconds, the compiler's memory figures, kernels and collectives")
+    add_compile(p)
+    p.set_defaults(fn=compile_main)
 
     from specjax.bench.ar import add_arguments as add_ar
     from specjax.bench.ar import main as bench_ar

@@ -303,11 +303,32 @@ def test_greedy_equals_plain_with_eos_mid_block(target, drafter, prompts, plain)
     assert out.stats["acceptance_length"] > 1.0
 
 
-def test_chain_too_long_or_tree_is_refused(target, drafter, prompts):
+def test_chain_too_long_static_tree_or_tree_too_deep_is_refused(target, drafter, prompts):
     with pytest.raises(ValueError, match="at most 4 tokens.*num_draft_tokens <= 4"):
         specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter, num_draft_tokens=5)
-    with pytest.raises(ValueError, match="chains only"):
-        specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter, tree="kary:2,2")
+    with pytest.raises(ValueError, match="a tree 5 deep is more than one DFlash block gives"):
+        specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter, tree="kary:2,1,1,1,1")
+    with pytest.raises(ValueError, match="reaches depth 5 .*pass depth <= 3"):
+        specjax.generate(target, prompts, max_new_tokens=4, drafter=drafter,
+                         tree="dynamic:top_k=2,depth=4,total_tokens=8")
+
+
+@pytest.mark.parametrize("causal, tree", [(False, "dynamic:top_k=3,depth=3,total_tokens=16"),
+                                         (True, "dynamic:top_k=3,depth=3,total_tokens=16"), (False, "kary:3,2,1")],
+                         ids=["dynamic", "dynamic-causal_head", "static"])
+def test_greedy_equals_plain_with_one_pass_trees(target, drafter, prompts, plain, causal, tree):
+    """JetSpec's tree (or a static template) from one block pass (decoding/block_tree.py), verified as a tree: plain
+    decoding's tokens; with the fixture's (bidirectional) head, more tokens a round than the chain of the block."""
+    head = dataclasses.replace(drafter, cfg=dataclasses.replace(drafter.cfg, causal=causal))
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=head,
+                           tree=tree)
+    assert out.tokens == plain.tokens
+    assert out.stats["drafter_calls"] == out.stats["rounds"]  # one block pass a round, whatever the tree
+    if causal or tree.startswith("kary"):  # the same weights under a causal mask they were not made for: losslessness is the point
+        return
+    chain_tau = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=head,
+                                 num_draft_tokens=K).stats["acceptance_length"]
+    assert out.stats["acceptance_length"] > chain_tau
 
 
 def test_auto_plans_chains_no_longer_than_a_block(target, drafter, prompts, plain, monkeypatch):
@@ -341,8 +362,10 @@ def test_inspect_draft_shows_dflash_tokens_and_logits(target, drafter, prompts):
 # ---- losslessness of sampled decoding ------------------------------------------------------------------------
 
 
-def test_sampled_dflash_output_has_the_target_distribution():
-    """Argmax drafts (q one-hot) verified by rejection sampling keep the target's distribution exactly."""
+@pytest.mark.parametrize("tree", ["chain:2", "dynamic:top_k=2,depth=1,total_tokens=4"])
+def test_sampled_dflash_output_has_the_target_distribution(tree):
+    """Argmax drafts and one-pass top-k trees (q one-hot) verified by rejection sampling keep the target's
+    distribution exactly."""
     target = tiny(0, layers=2)
     layers = dataclasses.replace(target.cfg, num_layers=2, qk_norm=True)
     cfg = BlockConfig(layers=layers, target_layer_ids=(0,), block_size=3, mask_token_id=VOCAB - 1)
@@ -351,7 +374,7 @@ def test_sampled_dflash_output_has_the_target_distribution():
     head = DFlashDrafter(cfg, params, attn_impl="xla")
     sampling = SamplingConfig(1.0)
     out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=17, drafter=head,
-                           num_draft_tokens=2, eos_token_id=[])
+                           tree=tree, eos_token_id=[])
     ok, stat, threshold = chi_square_passes(np.array(out.tokens), exact_distribution(target, sampling))
     assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}: sampled output is not the target's distribution"
     assert out.stats["acceptance_length"] > 1.0

@@ -10,6 +10,7 @@ and [out, in] -> [in, out] mapping too. Rounds 2 follow 0, some and all drafts a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -295,6 +296,24 @@ def test_greedy_equals_plain_decoding_with_eos_mid_block(bigram_pair, prompts, p
     assert out.tokens == want and want[1][-1] == eos and len(want[1]) < 23
 
 
+@pytest.mark.parametrize("tree_markov, tree", [("parent", "dynamic:top_k=3,depth=3,total_tokens=16"),
+                                               ("chain", "dynamic:top_k=3,depth=3,total_tokens=16"),
+                                               ("parent", "kary:2,2,1")])
+def test_greedy_equals_plain_decoding_with_one_pass_trees(bigram_pair, prompts, plain, tree_markov, tree):
+    """A one-pass tree whose children lean on their own parent's token (the Markov step per node) or on the greedy
+    chain's (per depth): plain decoding's tokens either way, one backbone pass a round."""
+    target, drafter = bigram_pair
+    drafter = dataclasses.replace(drafter, tree_markov=tree_markov)
+    out = specjax.generate(target, prompts, max_new_tokens=23, eos_token_id=[], drafter=drafter, tree=tree)
+    assert out.tokens == plain.tokens
+    assert out.stats["acceptance_length"] > 1.5 and out.stats["drafter_calls"] == out.stats["rounds"]
+
+
+def test_tree_markov_is_checked():
+    with pytest.raises(ValueError, match="tree_markov must be one of"):
+        DSparkDrafter(None, {}, tree_markov="sibling")
+
+
 @pytest.mark.parametrize("mode", ["confidence", "prefix"])
 def test_greedy_equals_plain_decoding_with_the_prefix_scheduler(bigram_pair, prompts, plain, mode):
     """DSpark's own confidences drive the scheduler; verifying fewer drafts never changes the output."""
@@ -315,8 +334,10 @@ def test_inspect_draft_returns_markov_logits_and_confidences(bigram_pair, prompt
     assert out.tokens[1:].tolist() == [int(np.argmax(drafter.params["markov_w2"][:, x])) for x in out.tokens[:-1]]
 
 
-def test_sampled_dspark_output_has_the_target_distribution():
-    """Markov sampling with q over the target vocabulary keeps the target's distribution (chi-square)."""
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:top_k=2,depth=2,total_tokens=6"])
+def test_sampled_dspark_output_has_the_target_distribution(tree):
+    """Markov sampling with q over the target vocabulary, and one-pass top-k trees (deterministic: q one-hot),
+    keep the target's distribution (chi-square)."""
     target = tiny(0, layers=2)
     layers = ModelConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                          head_dim=16, qk_norm=True, family="qwen3")
@@ -325,7 +346,7 @@ def test_sampled_dspark_output_has_the_target_distribution():
     dp = dspark.init_params(dcfg, jax.random.key(5), embed=target.params["embed"])
     drafter = DSparkDrafter(dcfg, dspark.drafter_params(dp, {}, per_layer=True), attn_impl="xla")
     out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=17, drafter=drafter,
-                           num_draft_tokens=3, eos_token_id=[])
+                           tree=tree, eos_token_id=[])
     ok, stat, threshold = chi_square_passes(np.array(out.tokens), exact_distribution(target, SamplingConfig(1.0)))
     assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}: sampled output is not the target's distribution"
     assert out.stats["acceptance_length"] > 1.0

@@ -174,8 +174,10 @@ def test_bad_requests_are_refused_alone_and_async_works(target):
             with pytest.raises(ValueError, match=words):
                 engine.submit(args[0], **kw)
         with pytest.raises(TypeError, match="unexpected keyword"):
-            engine.submit([1, 2], max_tokens=3)
-        h = engine.submit("def f(x):", max_new_tokens=8)
+            engine.submit([1, 2], best_of=3)
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit([1, 2], max_new_tokens=2, temperature=float("nan"))
+        h = engine.submit("def f(x):", sampling_params=specjax.SamplingParams(max_tokens=8))
         out = asyncio.run(_await(h))
         assert out.tokens == specjax.generate(target, ["def f(x):"], max_new_tokens=8).tokens[0]
         with pytest.raises(RuntimeError, match="idle"):
@@ -209,7 +211,7 @@ def test_sampled_output_keeps_the_target_distribution_under_mixed_load():
     target, draft_target = tiny(2, layers=2), tiny(7, layers=1)
     draft = DraftModelDrafter(draft_target.cfg, params=draft_target.params)
     sampling = SamplingConfig(1.0)
-    n = 3000
+    n = 2000
     with specjax.Engine(target, draft, max_slots=8, max_len=16, auto_chains=(2,), max_prefill_batch=8) as engine:
         random_switches(engine, seed=5)
         handles = []
@@ -223,12 +225,12 @@ def test_sampled_output_keeps_the_target_distribution_under_mixed_load():
 
 
 def test_engine_on_a_mesh_equals_one_device(tmp_path):
-    """TP 2 and DP 2 x TP 4 on 8 fake CPU devices (a subprocess: tests/sharded_check.py part "engine")."""
+    """DP 2 x TP 4 on 8 fake CPU devices (a subprocess: tests/sharded_check.py part "engine")."""
     from sharded_check import failed, run_part
 
     checks, _ = run_part("engine", tmp_path)
     count, bad = failed(checks, "engine/")
-    assert count == 4 and bad == {}
+    assert count == 2 and bad == {}
 
 
 def test_dspark_budgets_across_live_slots_stay_lossless(target, plain):
@@ -266,7 +268,7 @@ def test_chunked_prefill_equals_plain(target, tmp_path, kind):
         random_switches(engine, seed=4)
         handles = [engine.submit(p, max_new_tokens=n, eos_token_id=[]) for p, n in zip(prompts, budgets)]
         assert [h.result(timeout=600).tokens for h in handles] == ref
-        assert engine.stats()["chunked_prefills"] == 3
+        assert engine.stats()["chunked_prefills"] == 4  # the prompts over 16 tokens
         assert_no_leaks(engine)
 
 

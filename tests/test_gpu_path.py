@@ -20,11 +20,10 @@ from hf_tiny import build_hf_model, save_hf_model
 
 import specjax
 import specjax.kernels
+from specjax.aot.graphs import abstract_request
 from specjax.config import ModelConfig, RopeConfig, SamplingConfig
-from specjax.decoding.decode import LoopConfig, RowSettings, ar_generate
+from specjax.decoding.decode import LoopConfig, ar_generate
 from specjax.decoding.drafter import Settings
-from specjax.decoding.penalties import RowPenalties
-from specjax.decoding.sampling import RowSampling
 from specjax.decoding.speculative import spec_generate
 from specjax.decoding.tree import chain, kary
 from specjax.drafters import DraftModelDrafter
@@ -75,15 +74,6 @@ def abstract_params(cfg: ModelConfig) -> dict:
     dtype = jnp.dtype(cfg.dtype)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
-
-
-def abstract_request(batch: int, prompt_len: int) -> tuple:
-    """The loops' array arguments after params, as shapes: prompts, lengths, budgets, seeds, folds, RowSettings."""
-    i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
-    row = lambda dtype: jax.ShapeDtypeStruct((batch,), dtype)  # noqa: E731
-    rows = RowSettings(RowSampling(row(f32), row(i32), row(f32), row(f32)),
-                       RowPenalties(row(f32), row(f32), row(f32), row(i32)), jax.ShapeDtypeStruct((batch, 2), i32))
-    return (jax.ShapeDtypeStruct((batch, prompt_len), i32), row(i32), row(i32), row(u32), row(u32), rows)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ RANKS = {
     "generate": 7,    # specjax.generate
     "bench": 8, "train": 8,
     "engine": 8,      # continuous batching: slots, the load policy, the engine's thread
+    "aot": 8,         # deviceless compilation of the production graphs for H100/H200 (specjax compile)
     "serve": 9,       # the OpenAI-compatible HTTP server on the engine
     "demo": 10, "cli": 10, "__init__": 10,
 }

@@ -5,6 +5,9 @@ and model.safetensors (or an index with shards). Config fields it adds:
   older: top-level `block_size`, `rope_theta`;
   newer: `dflash_config` {block_size (optional), mask_token_id, target_layer_ids} and
          `rope_parameters` {rope_type, rope_theta};
+  JetSpec's heads (hao-ai-lab/JetSpec, jetspec/models/draft_head.py): `dflash_config.causal_head`
+         true, a causal mask inside the block (BlockConfig.causal); `dflash_config.target_hidden_size`
+         other than hidden_size (JetSpec's random-init HiddenDimAdapter) is refused;
   `num_target_layers` (the default taps are spread over 1..num_target_layers - 3 when
   dflash_config has no target_layer_ids, as the original's `build_target_layer_ids`).
 Unset Qwen3 fields take Qwen3Config's defaults (head_dim 128, rms_norm_eps 1e-6, rope base
@@ -174,7 +177,20 @@ def dflash_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = N
         qkv_bias=False, qk_norm=True, family="qwen3",
         dtype=dtype or _DTYPE_NAMES.get(str(torch_dtype), "float32"))
     return BlockConfig(layers=layer_cfg, target_layer_ids=target_layer_ids(hf, target, layers),
-                       block_size=block_size, mask_token_id=int(mask))
+                       block_size=block_size, mask_token_id=int(mask), causal=causal_head(dflash, hidden))
+
+
+def causal_head(dflash: dict[str, Any], hidden: int) -> bool:
+    """`dflash_config.causal_head` (JetSpec), a bool; JetSpec's `target_hidden_size` adapter is refused."""
+    causal = dflash.get("causal_head", False)
+    if not isinstance(causal, bool):
+        raise ValueError(f"the DFlash drafter's dflash_config.causal_head is {causal!r}; it must be true or false")
+    adapted = dflash.get("target_hidden_size", hidden)
+    if adapted != hidden:
+        raise ValueError(f"the DFlash drafter's dflash_config.target_hidden_size is {adapted} but its hidden_size "
+                         f"is {hidden}: JetSpec's HiddenDimAdapter (a random-init smoke path) is not supported; use "
+                         f"a head trained for a target of hidden size {hidden}")
+    return causal
 
 
 def block_params(tensors: dict[str, np.ndarray], cfg: BlockConfig) -> dict[str, Any]:

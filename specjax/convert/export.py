@@ -387,6 +387,8 @@ def dflash_hf_config(cfg: BlockConfig, num_target_layers: int, dtype: str | None
                                                                         cfg.layers.dtype)}
     config["block_size"] = cfg.block_size
     config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    if cfg.causal:
+        config["dflash_config"]["causal_head"] = True
     return config
 
 

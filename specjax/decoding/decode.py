@@ -196,9 +196,9 @@ def plain_advance(model: Decoder, lc: LoopConfig, rows: RowSettings, max_new_B, 
     def body(s: PlainState):
         keys_B, sub_B = split_rows(s.keys_B, 2)
         h_B1D, _, cache = model.forward(s.tok_B[:, None], s.cache, attn_impl=lc.attn_impl)
-        # Finished rows keep computing (fixed shapes) but stop advancing.
+        # Finished rows keep computing (fixed shapes) but stop advancing; a hybrid's done rows keep their state.
         active_B = ~s.done_B
-        cache = cache.with_lengths(cache.lengths + active_B.astype(jnp.int32))
+        cache = cache.with_lengths(cache.lengths + active_B.astype(jnp.int32)).hold_rows(s.cache, s.done_B)
         logits_BV = model.logits(h_B1D)[:, 0]
         new_B = choose_next(lc, rows, sub_B, logits_BV, s.counts, s.count_B)
         new_B = jnp.where(s.done_B, s.tok_B, new_B)

@@ -69,7 +69,8 @@ class DynamicTreeSpec:
     the newest level (by cumulative log-probability over the draft vocabulary) and scores their
     `top_k` children; finally the `total_tokens - 1` best of all `top_k + depth * top_k**2`
     candidates form the tree. `total_tokens` counts the root, so a draft has N = total_tokens
-    nodes; paths reach `depth + 1` drafted tokens. Hashable, so static under jit.
+    nodes; paths reach `depth + 1` drafted tokens. Hashable, so static under jit. Block drafters (DFlash,
+    DSpark) read the same spec as JetSpec's one-pass tree of that shape (decoding/block_tree.py).
     """
 
     top_k: int

@@ -11,7 +11,7 @@ embedded with the target's own table. Each of the drafter's L decoder layers (Qw
 q/k RMSNorm per head, rotate-half RoPE, SwiGLU MLP) runs the block rows as usual
 (input_layernorm, q/k/v), but its keys and values are the context rows 0..P-1 followed by the
 block rows, and there is no causal mask: every block row sees the whole context and the whole
-block. The context rows are projected by every layer with that layer's own wk / wv, k_norm and
+block (a `causal_head` drafter, JetSpec's, masks the block causally: row i sees block rows 0..i). The context rows are projected by every layer with that layer's own wk / wv, k_norm and
 RoPE at the context token's own position, with no input_layernorm (c_p is already normed), and
 the same c_p feeds every layer. After the last layer the final norm, then the target's lm_head:
 
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,8 +62,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.config import ModelConfig
-from specjax.decoding.drafter import PrefillContext, Settings, require_chain
-from specjax.decoding.tree import spec_arrays
+from specjax.decoding.block_tree import ChildrenFn, build_block_tree, levels, per_depth_children, static_block_tree
+from specjax.decoding.drafter import PrefillContext, Settings
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks, spec_arrays
 from specjax.decoding.verify import Draft, Verdict
 from specjax.models.cache import KVCache, init_cache, write_layer
 from specjax.models.decoder import DecoderLayer, has_layer_list, run_layers, unstack_layers
@@ -82,12 +83,15 @@ class BlockConfig:
         see `feature_layers` for specjax's (HF) numbering.
     block_size: rows per block, the anchor included (K - 1 drafts per pass at most).
     mask_token_id: the token whose embedding fills rows 1..K-1.
+    causal: `dflash_config.causal_head` (JetSpec's heads): block row i attends to block rows 0..i only (and the
+        whole context); False: every block row sees the whole block (z-lab's DFlash, DSpark).
     """
 
     layers: ModelConfig
     target_layer_ids: tuple[int, ...]
     block_size: int
     mask_token_id: int
+    causal: bool = False
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -173,7 +177,8 @@ class BlockBackbone(nnx.Module):
         """The block's hidden states after the final norm [B, K, H], and the cache with the block's K/V written.
 
         The K block rows sit at positions start_B .. start_B + K - 1 (start defaults to `lengths`) and
-        attend, with no causal mask, to the cached context rows [0, start) and to all K block rows.
+        attend to the cached context rows [0, start) and to all K block rows (a causal head, `cfg.causal`: to
+        block rows 0..i only, as JetSpec's `_build_dflash_causal_attention_mask`).
         The block's K/V land at cache rows start .. start + K - 1, after the context; `lengths` are
         unchanged (block rows are never committed). Row k's logits (lm_head of row k) predict the token
         at start + k (DFlash reads rows 1..K-1; DSpark, whose row 0 is already a guess, reads them all).
@@ -183,11 +188,13 @@ class BlockBackbone(nnx.Module):
         if start_B is None:
             start_B = cache.lengths
         positions_BK = start_B[:, None] + jnp.arange(k_rows, dtype=jnp.int32)[None, :]
-        everything_BKK = jnp.ones((b, k_rows, k_rows), jnp.bool_)
+        block_mask_KK = jnp.tril(jnp.ones((k_rows, k_rows), jnp.bool_)) if self.cfg.causal else \
+            jnp.ones((k_rows, k_rows), jnp.bool_)
+        block_mask_BKK = jnp.broadcast_to(block_mask_KK, (b, k_rows, k_rows))
         inv_freq = rope_inv_freq(lc.rope, lc.head_dim)
 
         def layer_fn(layer, i, idx, h_BKH, k_cache, v_cache, extra):
-            h_BKH, k_cache, v_cache = layer(h_BKH, k_cache, v_cache, idx, start_B, positions_BK, everything_BKK,
+            h_BKH, k_cache, v_cache = layer(h_BKH, k_cache, v_cache, idx, start_B, positions_BK, block_mask_BKK,
                                             inv_freq, attn_impl)
             return h_BKH, k_cache, v_cache, extra
 
@@ -288,14 +295,52 @@ def drafter_params(block: dict, target_params: dict, tie_word_embeddings: bool, 
     return params
 
 
-def require_block_chain(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
-    """A block drafter proposes a chain of at most one block's drafts: refuse a tree or a longer chain, saying why."""
-    require_chain(family.lower(), settings)
-    k = settings.tree.num_nodes - 1
-    if k > max_draft_tokens:
-        raise ValueError(f"num_draft_tokens={k} is more than one {family} block gives: block_size {block_size} "
-                         f"drafts at most {max_draft_tokens} tokens per round; pass num_draft_tokens <= "
-                         f"{max_draft_tokens}")
+def require_block_shape(family: str, settings: Settings, block_size: int, max_draft_tokens: int) -> None:
+    """A block drafter drafts from one block pass: a chain, a static tree or a one-pass dynamic tree
+    (decoding/block_tree.py) whose paths fit in the block; refuse a deeper shape, saying what would fit."""
+    tree = settings.tree
+    if isinstance(tree, DynamicTreeSpec):
+        if levels(tree) > max_draft_tokens:
+            raise ValueError(f"tree {tree} reaches depth {levels(tree)} (depth + 1), more than one {family} block "
+                             f"gives: block_size {block_size} drafts at most {max_draft_tokens} tokens per round; "
+                             f"pass depth <= {max_draft_tokens - 1}")
+        return
+    if tree.max_depth > max_draft_tokens:
+        what = f"num_draft_tokens={tree.max_depth}" if tree.is_chain else f"a tree {tree.max_depth} deep"
+        raise ValueError(f"{what} is more than one {family} block gives: block_size {block_size} drafts at most "
+                         f"{max_draft_tokens} tokens per round; pass num_draft_tokens <= {max_draft_tokens} "
+                         f"(or a tree at most that deep)")
+
+
+def one_pass_draft(spec: TreeSpec | DynamicTreeSpec, root_B: jax.Array, children: ChildrenFn,
+                   node_logits: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None) -> Draft:
+    """A block drafter's tree from one pass, as a deterministic Draft (q None): JetSpec's dynamic tree
+    (`build_block_tree`; confidence = exp(cumulative log-probability), the drafter's P(path accepted) proxy) or a
+    static template (`static_block_tree`). node_logits(tokens, parents, depths) -> [B, N, V], the logits each node
+    was chosen from (inspect_draft), or None."""
+    if isinstance(spec, DynamicTreeSpec):
+        tree = build_block_tree(spec, root_B, children)
+        tokens_BN, parents_BN, depths_BN, confidence_BN = tree.tokens, tree.parents, tree.depths, jnp.exp(tree.scores)
+    else:
+        tokens_BN = static_block_tree(spec, root_B, children)
+        parents_BN = spec_arrays(spec, root_B.shape[0])
+        depths_BN = jnp.broadcast_to(jnp.asarray(spec.depths, jnp.int32), tokens_BN.shape)
+        confidence_BN = None
+    logits_BNV = None
+    if node_logits is not None:
+        logits_BNV = jnp.where((depths_BN == 0)[:, :, None], 0.0, node_logits(tokens_BN, parents_BN, depths_BN))
+    return Draft(tokens_BN, parents_BN, jnp.ones(tokens_BN.shape, jnp.bool_), confidence=confidence_BN,
+                 logits=logits_BNV)
+
+
+def tree_width(spec: TreeSpec | DynamicTreeSpec) -> int:
+    """Children a node may get: top_k, or a static template's most."""
+    return spec.top_k if isinstance(spec, DynamicTreeSpec) else max(child_ranks(spec)) + 1
+
+
+def depth_logits(logits_BLV: jax.Array, depths_BN: jax.Array) -> jax.Array:
+    """[B, N, V]: each node's depth's logits (row d - 1 of logits_BLV for depth d; the root's row is depth 1's)."""
+    return jnp.take_along_axis(logits_BLV, jnp.maximum(depths_BN - 1, 0)[:, :, None], axis=1)
 
 
 # ---- the drafter: chains -----------------------------------------------------------------------------------
@@ -322,6 +367,7 @@ class DFlashDrafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "dflash"
+    one_pass_trees = True  # a whole tree from one block pass: "auto" prices trees as such (planning/block_trees.py)
 
     @property
     def model(self) -> BlockBackbone:
@@ -349,7 +395,7 @@ class DFlashDrafter:
         return self.cfg.block_size - 1
 
     def configure(self, settings: Settings) -> "DFlashDrafter":
-        require_block_chain("DFlash", settings, self.cfg.block_size, self.max_draft_tokens)
+        require_block_shape("DFlash", settings, self.cfg.block_size, self.max_draft_tokens)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -359,12 +405,18 @@ class DFlashDrafter:
         return backbone(self.cfg, params).context_after_prefill(ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
-        del keys_B, sampling  # argmax drafts under any sampling
-        k = self.settings.tree.num_nodes - 1
+        del keys_B, sampling  # argmax drafts (or top-k trees) under any sampling
+        spec = self.settings.tree
         b = root_B.shape[0]
         vocab = tables(self.cfg, params)
         h_BKH, cache = backbone(self.cfg, params).block_hidden(vocab.block_embeddings(root_B), state,
                                                                attn_impl=self.attn_impl)
+        if not spec.is_chain:  # a tree from the per-depth distributions of the same pass (JetSpec's, or a template)
+            logits_BLV = vocab.logits(h_BKH[:, 1:spec.max_depth + 1])  # row d predicts depth d
+            children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), tree_width(spec))
+            record = (lambda t, p, d: depth_logits(logits_BLV, d)) if self.settings.record_logits else None
+            return one_pass_draft(spec, root_B, children, record), cache
+        k = spec.num_nodes - 1
         logits_BkV = vocab.logits(h_BKH[:, 1:k + 1])  # row j predicts position P + j: draft j
         drafts_Bk = jnp.argmax(logits_BkV, axis=-1).astype(jnp.int32)
         prob_Bk = jnp.take_along_axis(jax.nn.softmax(logits_BkV, axis=-1), drafts_Bk[:, :, None], axis=-1)[..., 0]
@@ -373,7 +425,7 @@ class DFlashDrafter:
         logits = None
         if self.settings.record_logits:
             logits = jnp.concatenate([jnp.zeros_like(logits_BkV[:, :1]), logits_BkV], axis=1)
-        draft = Draft(tokens_BN, spec_arrays(self.settings.tree, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+        draft = Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_),
                       confidence=confidence_BN, logits=logits)
         return draft, cache
 

@@ -62,9 +62,11 @@ from jax import lax
 
 from specjax.decoding.drafter import PrefillContext, Settings, drafting_values
 from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
+from specjax.decoding.block_tree import ChildrenFn, per_depth_children
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft, Verdict
-from specjax.drafters.dflash import BlockBackbone, BlockConfig, Tables, backbone, part, require_block_chain, tables
+from specjax.drafters.dflash import (BlockBackbone, BlockConfig, Tables, backbone, depth_logits, one_pass_draft, part,
+                                     require_block_shape, tables, tree_width)
 from specjax.drafters.dflash import init_params as init_block_params
 from specjax.models.cache import KVCache
 from specjax.models.decoder import unstack_layers
@@ -72,6 +74,10 @@ from specjax.models.layers import normal, param
 from specjax.models.state import shapes_of, to_params
 
 MARKOV_HEAD_TYPES = ("vanilla",)
+# How a one-pass tree applies the Markov step: "parent" biases each node's children by the node's own token (the
+# head's training condition: the previous token on the path); "chain" biases each depth once, along the greedy chain,
+# so every node at a depth shares its children (JetSpec's per-depth tree on DSpark's chain logits).
+TREE_MARKOV = ("parent", "chain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +236,20 @@ def markov_chain(markov: MarkovHead, settings: Settings, u_BKV: jax.Array, ancho
     return tok_KB.T, q_BKV, jnp.moveaxis(logits_KBV, 0, 1)
 
 
+def parent_children(markov: MarkovHead, u_BLV: jax.Array, k: int) -> ChildrenFn:
+    """Tree children conditioned on their own parent: the top k of log_softmax(U_{d+1} + W2 W1[parent token])."""
+
+    def children(level, parents_BE):
+        b, e = parents_BE.shape
+        u_BV = lax.dynamic_index_in_dim(u_BLV, level, axis=1, keepdims=False)
+        u_XV = jnp.broadcast_to(u_BV[:, None], (b, e, u_BV.shape[-1])).reshape(b * e, -1)
+        logits_XV = markov(u_XV, parents_BE.reshape(b * e))
+        lp_XK, tok_XK = lax.top_k(jax.nn.log_softmax(logits_XV, axis=-1), k)
+        return lp_XK.reshape(b, e, k), tok_XK.astype(jnp.int32).reshape(b, e, k)
+
+    return children
+
+
 def drafter_params(block: dict, heads: dict, per_layer: bool) -> dict:
     """What DSparkDrafter runs: the block params (per-layer or stacked) and the DSpark heads and tables."""
     block = unstack_layers(block) if per_layer else block
@@ -255,6 +275,12 @@ class DSparkDrafter:
     settings: Settings | None = None
     attn_impl: str = "auto"
     name: str = "dspark"
+    tree_markov: str = "parent"  # one-pass trees: TREE_MARKOV
+    one_pass_trees = True  # a whole tree from one block pass: "auto" prices trees as such (planning/block_trees.py)
+
+    def __post_init__(self):
+        if self.tree_markov not in TREE_MARKOV:
+            raise ValueError(f"tree_markov must be one of {TREE_MARKOV}, got {self.tree_markov!r}")
 
     @property
     def model(self) -> DSparkNetworks:
@@ -283,7 +309,7 @@ class DSparkDrafter:
         return self.cfg.block_size
 
     def configure(self, settings: Settings) -> "DSparkDrafter":
-        require_block_chain("DSpark", settings, self.cfg.block_size, self.max_draft_tokens)
+        require_block_shape("DSpark", settings, self.cfg.block_size, self.max_draft_tokens)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -306,10 +332,12 @@ class DSparkDrafter:
         return backbone(self.cfg.block, params).context_after_prefill(ctx, self.settings.cache_len)
 
     def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
-        k = self.settings.tree.num_nodes - 1
-        b = root_B.shape[0]
         net = networks(self.cfg, params)
         h_BGH, cache = net.backbone.block_hidden(net.tables.block_embeddings(root_B), state, attn_impl=self.attn_impl)
+        if not self.settings.tree.is_chain:
+            return self._propose_tree(net, h_BGH, root_B), cache
+        k = self.settings.tree.num_nodes - 1
+        b = root_B.shape[0]
         h_BKH = h_BGH[:, :k]  # row k - 1 predicts position P + k: draft k
         u_BKV = net.tables.logits(h_BKH)
         keys_KB = None if self.settings.sampling.greedy else split_rows(keys_B, k)
@@ -328,6 +356,28 @@ class DSparkDrafter:
                       q=None if q_BKV is None else root_row(q_BKV), confidence=confidence_BN,
                       logits=root_row(logits_BKV) if self.settings.record_logits else None)
         return draft, cache
+
+    def _propose_tree(self, net: DSparkNetworks, h_BGH: jax.Array, root_B: jax.Array) -> Draft:
+        """A one-pass tree (dynamic, or a static template), deterministic under any sampling: children from each
+        node's own Markov step ("parent") or from the greedy chain's per-depth logits ("chain")."""
+        spec, width = self.settings.tree, tree_width(self.settings.tree)
+        u_BLV = net.tables.logits(h_BGH[:, :spec.max_depth])  # row d - 1 predicts depth d
+        record = self.settings.record_logits
+        if self.tree_markov == "chain":
+            greedy = dataclasses.replace(self.settings, sampling=dataclasses.replace(self.settings.sampling,
+                                                                                      temperature=0.0))
+            _, _, logits_BLV = markov_chain(net.markov, greedy, u_BLV, root_B, None)
+            children = per_depth_children(jax.nn.log_softmax(logits_BLV, -1), width)
+            return one_pass_draft(spec, root_B, children,
+                                  (lambda t, p, d: depth_logits(logits_BLV, d)) if record else None)
+
+        def node_logits(tokens_BN, parents_BN, depths_BN):  # U of the node's depth biased by its parent's token
+            parent_tok_BN = jnp.take_along_axis(tokens_BN, jnp.maximum(parents_BN, 0), axis=1)
+            u_BNV = depth_logits(u_BLV, depths_BN)
+            b, n, v = u_BNV.shape
+            return net.markov(u_BNV.reshape(b * n, v), parent_tok_BN.reshape(b * n)).reshape(b, n, v)
+
+        return one_pass_draft(spec, root_B, parent_children(net.markov, u_BLV, width), node_logits if record else None)
 
     def update(self, params, state: KVCache, draft: Draft, verdict: Verdict, features) -> KVCache:
         return backbone(self.cfg.block, params).context_after_round(state, verdict, features)

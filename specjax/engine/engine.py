@@ -30,6 +30,7 @@ from specjax.chat import render_prompts
 from specjax.config import SamplingConfig
 from specjax.decoding.decode import GREEDY, SAMPLED, LoopConfig, RowSettings
 from specjax.decoding.drafter import Settings, check_drafter_argument
+from specjax.decoding.params import SamplingParams, merged
 from specjax.decoding.penalties import RowPenalties
 from specjax.decoding.request import GenerateOutput, batch_bucket, bucket, prepare, round_cache_length
 from specjax.decoding.sampling import RowSampling
@@ -40,7 +41,6 @@ from specjax.decoding.tree import DynamicTreeSpec, parse_tree
 from specjax.engine import slots as ops
 from specjax.engine.handle import RequestHandle, RequestOutput
 from specjax.engine.policy import OFF, LoadPolicy
-from specjax.decoding.params import SamplingParams, merged
 from specjax.generate import _options, _sampling
 from specjax.models.sharding import axis_size, use_mesh
 from specjax.models.target import Target
@@ -56,7 +56,7 @@ SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's s
 LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (a request is itself, whatever its fields)
 class _Active:
     """A request between submission and retirement, as the host tracks it."""
 
@@ -114,6 +114,10 @@ class Engine:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or the most top logprobs a request may ask (an int >= 0), "
                              f"got {logprobs!r}")
+        if jax.process_count() > 1:  # each process would time its own chunks and pick its own shapes
+            raise NotImplementedError("the engine runs in one process (one host, any mesh of its devices); a "
+                                      "multi-process jax.distributed job would need every process to agree each "
+                                      "gap's admissions and shape, which it does not do yet: use specjax.generate")
         self.target, self.max_slots, self.max_len = target, max_slots, max_len
         self.mesh = getattr(target, "mesh", None)
         self.data = axis_size(self.mesh, "data")  # data-parallel replicas: every row batch is a multiple of it
@@ -158,6 +162,9 @@ class Engine:
         self._compile_s = 0.0
         self._executables: dict[tuple, Any] = {}
         self.warmed_up = False
+        self._warmup_requested: threading.Event | None = None
+        self._last_read: float | None = None  # when the host last finished reading a chunk (its device time's start)
+        self._last_step: int | None = None  # the slots' round counter at that read
         # host mirrors of the slots' per-row settings
         self._rows = _empty_rows(max_slots)
         self._max_new = np.zeros((max_slots,), np.int32)
@@ -248,9 +255,9 @@ class Engine:
             self._check_open()
             if self._waiting or self._live_count():
                 raise RuntimeError("warmup() runs on an idle engine: call it before submitting requests")
-            self._warmup_requested = threading.Event()
+            done = self._warmup_requested = threading.Event()
             self._lock.notify_all()
-        self._warmup_requested.wait()
+        done.wait()
         self._check_open()
         return time.perf_counter() - start
 
@@ -330,11 +337,11 @@ class Engine:
             while True:
                 with self._lock:
                     while (not self._closed and not self._waiting and not self._inflight and not self._live_count()
-                           and getattr(self, "_warmup_requested", None) is None):
+                           and self._warmup_requested is None):
                         self._lock.wait()
                     if self._closed:
                         break
-                    warm = getattr(self, "_warmup_requested", None)
+                    warm = self._warmup_requested
                 if warm is not None and not warm.is_set():
                     self._warmup()
                     self.warmed_up = True
@@ -550,14 +557,14 @@ class Engine:
         """Hand out one chunk's tokens; learn from its timing and acceptance."""
         out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(snap)
         now = time.perf_counter()
-        since = max(dispatched, getattr(self, "_last_read", dispatched))
+        since = dispatched if self._last_read is None else max(dispatched, self._last_read)
         self._last_read = now
         tokens = 0
         for slot, a in enumerate(owners):
             if a is None or a.finished or a.aborted:
                 continue
             tokens += self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
-        rounds = int(step) - getattr(self, "_last_step", int(step))
+        rounds = int(step) - (int(step) if self._last_step is None else self._last_step)
         self._last_step = int(step)
         if rounds > 0:
             self.policy.record(nb, live, label, rounds, tokens, now - since)
@@ -660,7 +667,7 @@ class Engine:
                 a.handle._finish(error=self._error)
             else:
                 self._finish(a, "abort")
-        warm = getattr(self, "_warmup_requested", None)
+        warm = self._warmup_requested
         if warm is not None:
             warm.set()
 

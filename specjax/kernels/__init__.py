@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 
 import jax
@@ -10,7 +12,7 @@ from .reference import tree_attention_reference
 from .sharded import sharded_tree_attention
 from .tree_attention import BlockPlan, kernel_unsupported_reason, plan_blocks, tree_attention
 
-__all__ = ["attention", "tree_attention", "sharded_tree_attention", "tree_attention_reference", "plan_blocks",
+__all__ = ["attention", "on_gpu", "targeting_gpu", "tree_attention", "sharded_tree_attention", "tree_attention_reference", "plan_blocks",
            "BlockPlan", "kernel_unsupported_reason"]
 
 IMPLS = ("auto", "xla", "pallas")
@@ -18,9 +20,24 @@ logger = logging.getLogger("specjax")
 _warned_reasons: set[str] = set()  # fallback reasons already logged (once each per process)
 
 
+_targeting_gpu = contextvars.ContextVar("specjax_targeting_gpu", default=False)
+
+
 def on_gpu() -> bool:
-    """Is JAX's default backend a GPU? (One function so tests can pretend it is.)"""
-    return jax.default_backend() == "gpu"
+    """Is the code being traced for a GPU: JAX's default backend is one, or `targeting_gpu` is on (one function,
+    so tests can pretend too)."""
+    return _targeting_gpu.get() or jax.default_backend() == "gpu"
+
+
+@contextlib.contextmanager
+def targeting_gpu():
+    """Trace for a GPU on a machine without one (deviceless compilation, specjax/aot): attention takes the compiled
+    Pallas kernel, not interpret mode, and the MoE layers their GPU paths, while the default backend stays the CPU."""
+    token = _targeting_gpu.set(True)
+    try:
+        yield
+    finally:
+        _targeting_gpu.reset(token)
 
 
 def _warn_fallback_once(reason: str) -> None:

@@ -34,6 +34,9 @@ from .reference import NEG_INF, check_inputs, visibility
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16.
 MAX_BLOCK_M = 64  # packed query rows per program; more rows -> more M blocks in the grid.
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM; only used to size the KV split.
+# Shared memory one program may use on H100 / H200 (the per-block opt-in, 227 KiB; XLA's target configs
+# `shared_memory_per_block_optin`). A100 has 163 KiB: plan with shared_memory_bytes=166912 there.
+SHARED_MEMORY_BYTES = 232448
 LOG2_E = math.log2(math.e)
 
 
@@ -80,14 +83,25 @@ class BlockPlan:
         return self.tail_blocks * self.block_k
 
 
+def shared_memory_estimate(*, block_m: int, block_k: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of shared memory Triton gives one program: a K and a V block, the q block, the scores' layout
+    conversion, and 8 KiB of barriers and slack. Checked against the compiler: fp32 at head_dim 256 asked for
+    288832 bytes (block_m 16, block_k 128; this gives 294912) and 315520 (block_m 32; this gives 319488)."""
+    return 2 * block_k * head_dim * itemsize + block_m * head_dim * itemsize + block_m * block_k * 4 + 8192
+
+
 def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len: int,
                 head_dim: int, block_k: int | None = None, num_splits: int | None = None,
-                num_sms: int = DEFAULT_NUM_SMS) -> BlockPlan:
+                num_sms: int = DEFAULT_NUM_SMS, itemsize: int = 2,
+                shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> BlockPlan:
     """Choose block sizes for the GPU kernel (the interpret path uses the same plan).
 
     block_k: requested KV block (power of 2, >= 16); it is lowered to the largest power of 2
-    that divides max_len, so max_len must be a multiple of 16. num_splits=None picks a split
-    that gives about two programs per SM while keeping >= 2 blocks per split at full length.
+    that divides max_len, so max_len must be a multiple of 16, and further while the program's
+    shared memory (`shared_memory_estimate` for q/k/v of `itemsize` bytes) would pass
+    shared_memory_bytes: fp32 at head_dim 256 takes block_k 64, where 128 failed to compile for
+    H100 ("Shared memory size limit exceeded"). num_splits=None picks a split that gives about
+    two programs per SM while keeping >= 2 blocks per split at full length.
     """
     reason = kernel_unsupported_reason(head_dim=head_dim, max_len=max_len)
     if reason is not None:
@@ -105,6 +119,14 @@ def plan_blocks(*, batch: int, num_new: int, group: int, kv_heads: int, max_len:
         raise ValueError(f"block_k must be a power of 2 >= {MIN_DOT_DIM}; got {block_k}")
     while max_len % block_k != 0:
         block_k //= 2
+    fits = lambda bk: shared_memory_estimate(block_m=block_m, block_k=bk, head_dim=head_dim,  # noqa: E731
+                                             itemsize=itemsize) <= shared_memory_bytes
+    while block_k > MIN_DOT_DIM and not fits(block_k):
+        block_k //= 2
+    if not fits(block_k):
+        raise ValueError(f"the kernel's smallest tiles (block_m {block_m}, block_k {block_k}, head_dim {head_dim}, "
+                         f"{itemsize}-byte elements) need more than {shared_memory_bytes} bytes of shared memory; "
+                         "use attn_impl='xla' for these shapes")
     tail_blocks = -(-(num_new + block_k - 1) // block_k)
     max_blocks = max_len // block_k
     if num_splits is None:
@@ -256,7 +278,7 @@ def tree_attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, sm_scale=None
     group = q_heads // kv_heads
     plan = plan_blocks(batch=batch, num_new=num_new, group=group, kv_heads=kv_heads,
                        max_len=max_len, head_dim=head_dim, block_k=block_k,
-                       num_splits=num_splits)
+                       num_splits=num_splits, itemsize=jnp.dtype(q_BNHD.dtype).itemsize)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     rows = num_new * group
 

@@ -38,6 +38,10 @@ class KVCache:
     def commit(self, path_BN: jax.Array, num_accepted_B: jax.Array) -> "KVCache":
         return commit(self, path_BN, num_accepted_B)
 
+    def hold_rows(self, before: "KVCache", held_B: jax.Array) -> "KVCache":
+        """Rows held_B keep what they had: nothing to do, a write past a row's length is never read."""
+        return self
+
     def padded_nodes(self, n: int) -> "KVCache":
         """The cache after a provisional pass of fewer than n nodes, shaped as one of n (nothing per node here)."""
         return self
@@ -121,6 +125,16 @@ class HybridCache:
 
     def with_lengths(self, lengths_B: jax.Array) -> "HybridCache":
         return dataclasses.replace(self, kv=self.kv.with_lengths(lengths_B))
+
+    def hold_rows(self, before: "HybridCache", held_B: jax.Array) -> "HybridCache":
+        """Rows held_B keep `before`'s recurrent state and conv window: a sequential pass advances every row's
+        state, and a row that is done must not move (the engine prefills a long prompt into a done row between
+        chunks, piece by piece)."""
+        def keep(new, old):
+            return jnp.where(held_B.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
+
+        return dataclasses.replace(self, conv=tuple(map(keep, self.conv, before.conv)),
+                                   state=tuple(map(keep, self.state, before.state)))
 
     def padded_nodes(self, n: int) -> "HybridCache":
         """Per-node results of a pass over fewer than n nodes padded to n (a scheduler's narrow width)."""

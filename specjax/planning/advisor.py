@@ -10,12 +10,15 @@ profile: measure that JSON on this device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import textwrap
 import time
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig, text_config
 from specjax.convert.hf_files import read_hf_config, read_json
@@ -26,9 +29,10 @@ from specjax.loading.drafter import load_drafter
 from specjax.loading.embedded import EMBEDDED_DIR
 from specjax.loading.prompts import bench_prompts
 from specjax.loading.target import load
-from specjax.planning.auto import auto_shape
+from specjax.planning.auto import auto_shape, one_pass_trees
+from specjax.planning.block_trees import CALIBRATION_WIDTH, best_block_tree, caterpillar
 from specjax.planning.calibration import calibrate
-from specjax.planning.memory import Draft, checkpoint_draft, format_memory, memory_plan, served_plans
+from specjax.planning.memory import SERVED_CASES, Draft, checkpoint_draft, format_memory, memory_plan
 from specjax.planning.planner import (
     Call,
     Choice,
@@ -42,6 +46,7 @@ from specjax.planning.planner import (
     shape_curve,
     shape_of,
 )
+from specjax.planning.presets import SERVED
 from specjax.planning.profile import (
     DEVICES,
     CostModel,
@@ -112,6 +117,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "draft's share and what is free for --batch rows of --context tokens (no --target: "
                         "Llama-3.3-70B at TP 8, Qwen3.5-27B at TP 2, Qwen3.5-122B-A10B at TP 8 on H100 and H200)")
     p.add_argument("--batch", type=int, default=32, help="--memory: rows held at --context cached tokens each")
+    p.add_argument("--compiled", action="store_true",
+                   help="--memory: also compile each case's plain loop for its device (deviceless without one; needs "
+                        "the cuda12 extra) and give the compiler's figure and the free memory it leaves")
     p.add_argument("--plot", default=None, help="write a PNG of predicted speedup vs concurrency")
     p.add_argument("--json", default=None, help="write the plan as JSON")
 
@@ -133,7 +141,7 @@ def plan_main(args: argparse.Namespace) -> int:
         device = args.device or "h100"
         cost = 0.05 if args.cost is None else args.cost
         p, cm = published_model(args.alpha, cost, device, args.tensor_parallel, args.sampled)
-        tree_ok, max_nodes = True, args.max_nodes or 512
+        tree_ok, max_nodes, p_depth_rank, max_chain = True, args.max_nodes or 512, None, 16
         print(f"acceptance: rank r accepted w.p. alpha (1 - alpha)^r, alpha {args.alpha:g} "
               f"(p = {', '.join(f'{x:.3g}' for x in p[:4])}, ...)")
     else:
@@ -147,10 +155,16 @@ def plan_main(args: argparse.Namespace) -> int:
         if args.device is None and not args.roofline:
             return plan_measured(args, target, drafter, batches, report)
         tree_ok = drafter_takes_trees(drafter, target)
-        spec = parse_tree(args.calibrate_tree or ("kary:4,2,1,1" if tree_ok else "chain:4"), None)
+        default = ("kary:4,2,1,1" if tree_ok else "chain:4")
+        spec = caterpillar(CALIBRATION_WIDTH, drafter.max_draft_tokens) if one_pass_trees(drafter) and \
+            not args.calibrate_tree else parse_tree(args.calibrate_tree or default, None)
         prompts = calibration_prompts(target, args.calibrate_prompts)
         cal = calibrate(target, drafter, prompts, spec, max_new_tokens=args.calibrate_tokens)
         p = cal.p_rank
+        p_depth_rank, max_chain = None, min(16, getattr(drafter, "max_draft_tokens", 16))  # a block's drafts at most
+        if one_pass_trees(drafter) and tree_ok:
+            p_depth_rank = np.where(np.isnan(cal.p_depth_rank), np.asarray(p)[None, :], cal.p_depth_rank)
+            args.max_depth = min(args.max_depth, drafter.max_draft_tokens)  # static trees: one block deep too
         report["calibration"] = cal.as_dict()
         print(f"calibration ({len(prompts)} prompts, {cal.rounds} rounds, shape {len(spec.parents)} nodes): "
               f"p by rank {', '.join(f'{x:.3f}' for x in p)}; tau measured {cal.measured_tau:.3f}, "
@@ -176,7 +190,9 @@ def plan_main(args: argparse.Namespace) -> int:
         report["call"] = {"tokens": args.tokens, "prompt_len": args.prompt_len}
     table = best_trees(p, max_nodes, args.max_depth) if tree_ok else None
     choices = plan(p, batches, cm.verify_s, cm.draft_s, max_nodes=max_nodes, max_depth=args.max_depth,
-                   tree_ok=tree_ok, table=table, call=call)
+                   tree_ok=tree_ok, table=table, call=call, max_chain=max_chain)
+    if p_depth_rank is not None:  # a block drafter: its one-pass trees priced too (planning/block_trees.py)
+        choices = [with_block_tree(c, p_depth_rank, cm, call, drafter.max_draft_tokens) for c in choices]
     print(format_plan(choices))
     report |= {"p_rank": list(p), "cost": cm.source, "choices": [c.as_dict() for c in choices]}
     if args.tensor_parallel > 1:
@@ -188,6 +204,14 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.json:
         write_report(report, args.json)
     return 0
+
+
+def with_block_tree(choice: Choice, p_DR, cm: CostModel, call, max_levels: int) -> Choice:
+    """The choice with a block drafter's best one-pass tree in it when that is predicted faster."""
+    block = best_block_tree(p_DR, choice.batch, cm.verify_s, cm.draft_s, None, call, max_levels=max_levels)
+    if block is None or block.speedup <= choice.best.speedup:
+        return choice
+    return dataclasses.replace(choice, best=block, runner_up=choice.best)
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
@@ -293,29 +317,38 @@ def plan_measured(args: argparse.Namespace, target, drafter, batches: list[int],
     return 0
 
 
-def memory_main(args: argparse.Namespace) -> int:
-    """`specjax plan --memory`: the memory plan per device (planning/memory.py) as a table, and as JSON with --json:
-    the six served cases, or --target's config at --tensor-parallel on --device (default: H100 and H200)."""
+def memory_cases(args: argparse.Namespace) -> list[tuple[ModelConfig, str, str, int, int]]:
+    """What `plan --memory` plans: (config, name, device, tensor parallelism, MTP layers) per row: --target's config
+    at --tensor-parallel on --device (default: H100 and H200), or the six served cases at their own degrees."""
     devices = [args.device] if args.device else ["h100", "h200"]
     unknown = [d for d in devices if d not in DEVICES]
     if unknown:
         raise ValueError(f"--memory plans a device of DEVICES ({sorted(DEVICES)}), got --device {unknown[0]!r}")
-    draft = None
-    if args.drafter:
-        draft = Draft("n-gram (no weights)", 0.0, 0.0) if args.drafter == "ngram" else checkpoint_draft(args.drafter)
     if args.target:
         path = Path(args.target)
         hf = read_json(path) if path.is_file() else read_hf_config(path)
-        cfg = ModelConfig.from_hf(hf)
-        mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
+        cfg, mtp = ModelConfig.from_hf(hf), int(text_config(hf).get("mtp_num_hidden_layers", 0))
         name = path.parent.resolve().name if path.is_file() else path.name  # DIR/config.json: the model is DIR
-        plans = [memory_plan(cfg, name, DEVICES[d], args.tensor_parallel, args.batch, args.context, draft, mtp,
-                             read_scheme(hf)) for d in devices]
-    else:
-        if args.tensor_parallel != 1:
-            raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
-                             "drop --tensor-parallel, or pass --target with it")
-        plans = served_plans(args.batch, args.context, devices, draft)
+        return [(cfg, name, d, args.tensor_parallel, mtp) for d in devices]
+    if args.tensor_parallel != 1:
+        raise ValueError("--memory without --target plans the served cases at their own degrees (TP 8, 2, 8): "
+                         "drop --tensor-parallel, or pass --target with it")
+    mtp = {name: int(text_config(SERVED[name]).get("mtp_num_hidden_layers", 0)) for name, _ in SERVED_CASES}
+    return [(ModelConfig.from_hf(SERVED[name]), name, d, n, mtp[name]) for name, n in SERVED_CASES for d in devices]
+
+
+def memory_main(args: argparse.Namespace) -> int:
+    """`specjax plan --memory`: the memory plan per device (planning/memory.py) as a table, and as JSON with --json.
+    (With --compiled, specjax/cli.py hands the same cases to specjax/aot/memory.py instead.)"""
+    draft = None
+    if args.drafter:
+        draft = Draft("n-gram (no weights)", 0.0, 0.0) if args.drafter == "ngram" else checkpoint_draft(args.drafter)
+    scheme = None  # a quantized --target's weights at their size
+    if args.target:
+        path = Path(args.target)
+        scheme = read_scheme(read_json(path) if path.is_file() else read_hf_config(path))
+    plans = [memory_plan(cfg, name, DEVICES[d], n, args.batch, args.context, draft, mtp, scheme)
+             for cfg, name, d, n, mtp in memory_cases(args)]
     print(format_memory(plans))
     if args.json:
         write_report({"memory": [p.as_dict() for p in plans]}, args.json)

@@ -18,9 +18,10 @@ import numpy as np
 from tqdm import TqdmWarning
 
 from specjax.decoding.request import batch_bucket, prompt_ids, timing_context
-from specjax.decoding.tree import TreeSpec, chain, kary
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, chain, kary, parse_tree
 from specjax.models.sharding import axis_size
 from specjax.multihost import agreed, agreed_json
+from specjax.planning.block_trees import CALIBRATION_WIDTH, best_block_tree, caterpillar
 from specjax.planning.calibration import RUN_MAX_REPEATS, RUN_MIN_TIME_S, RUN_REPEATS, calibrate, run_times
 from specjax.planning.planner import Call, Scored, Shape, drafter_takes_trees, drafts_with_a_model, plan, score
 from specjax.planning.profile import pass_costs, time_propose, with_loop_times
@@ -69,6 +70,7 @@ class AutoMeasurements:
 
     params: Any  # the drafter params measured with: other params are another drafter
     p_rank: tuple[float, ...]
+    p_depth_rank: Any  # float64 [D, R] per-depth acceptance (unmeasured cells: p_rank's), for one-pass block trees
     calibration: dict[str, Any]
     base: Any  # profile.CostModel: the pass costs timed on their own
     cost: Any  # profile.CostModel: `base` corrected to the rounds timed in the loop
@@ -76,11 +78,11 @@ class AutoMeasurements:
     times: Any  # profile.RunTimes: the loop timings, whose noise sets the margin
     retimed_from: float | None = None  # the margin before the loops were timed again (None: timed once)
     quick: bool = False  # measured quickly (QUICK_REPEATS, QUICK_CHAINS): never timed again
-    plans: dict[int, tuple[TreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    plans: dict[int, tuple[TreeSpec | DynamicTreeSpec | None, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
 def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_token_id,
-               max_new_tokens: int, quick: bool = False) -> tuple[TreeSpec | None, dict[str, Any]]:
+               max_new_tokens: int, quick: bool = False) -> tuple[TreeSpec | DynamicTreeSpec | None, dict[str, Any]]:
     """The draft shape for this call: planned from measurements cached per (target, drafter, batch bucket),
     made now when there are none.
 
@@ -90,9 +92,11 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
     decoding on the same prompts; pass costs from `profile.pass_costs` (measured here, or $SPECJAX_PROFILE),
     corrected to the rounds timed in the loop (`profile.with_loop_times`). Planning: `plan` at this batch bucket
     for this call (its prefill, and its slowest row after max_new_tokens); a gain inside the timings' noise times
-    the loops again (RETIME_FACTOR). Returns (None for "off", or the TreeSpec) and the record that goes into
-    out.stats["plan"]. quick: measure as `specjax plan` does by default (QUICK_REPEATS, QUICK_CHAINS, no retiming);
-    its measurements are cached like the others, so a generate(..., "auto") after it plans from them.
+    the loops again (RETIME_FACTOR). A block drafter (DFlash, DSpark: `one_pass_trees`) calibrates on a
+    caterpillar (every depth's ranks offered: per-depth acceptance) and also weighs one-pass dynamic trees
+    (planning/block_trees.py). Returns (None for "off", the TreeSpec or DynamicTreeSpec) and the record that
+    goes into out.stats["plan"]. quick: measure as `specjax plan` does by default (QUICK_REPEATS, QUICK_CHAINS, no
+    retiming); its measurements are cached like the others, so a generate(..., "auto") after it plans from them.
     """
     global _AUTO_PLANS
     if _AUTO_PLANS is None:
@@ -137,11 +141,13 @@ def auto_shape(target, drafter, prompts, *, trees: bool, sampling, seed, eos_tok
             "p_rank": list(measured.p_rank), **measured.calibration, "prefill_s": measured.prefill_s,
             "margin": margin, "margin_before_retiming": measured.retimed_from,
             "undecided": bool(1 + AUTO_MIN_GAIN <= best.speedup < 1 + margin), "quick": measured.quick,
-            "cost": measured.cost.source, "parents": None if chosen.spec is None else list(chosen.spec.parents),
-            "cached": False}
+            "cost": measured.cost.source, "parents": chosen.as_dict()["parents"], "cached": False}
     # Each process of a multi-host job timed its own loops: all of them run the plan process 0 made.
-    decided = agreed_json({"parents": None if chosen.spec is None else list(chosen.spec.parents), "info": info})
+    dynamic = isinstance(chosen.spec, DynamicTreeSpec)  # a block drafter's one-pass tree: its spec string
+    decided = agreed_json({"parents": info["parents"], "dynamic": str(chosen.spec) if dynamic else None, "info": info})
     spec = None if decided["parents"] is None else TreeSpec(tuple(decided["parents"]))
+    if decided["dynamic"] is not None:
+        spec = parse_tree(decided["dynamic"], None)
     info = decided["info"]
     measured.plans[max_new_tokens] = (spec, info)
     # Measuring and planning (their loops' compiles included): the call's own compile_s is then ~0.
@@ -152,7 +158,13 @@ def _best_shape(measured: AutoMeasurements, target, drafter, batch: int, trees: 
                 call: Call):
     """(the planner's choice, its best shape scored for this call, the noise margin that shape must beat)."""
     choice = plan(measured.p_rank, [batch], measured.cost.verify_s, measured.cost.draft_s, max_nodes=64,
-                  max_depth=12, tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s, call=call)[0]
+                  max_depth=min(12, max_chain), tree_ok=trees, max_chain=max_chain, plain_s=measured.cost.plain_s,
+                  call=call)[0]
+    if trees and one_pass_trees(drafter):
+        block = best_block_tree(measured.p_depth_rank, batch, measured.cost.verify_s, measured.cost.draft_s,
+                                measured.cost.plain_s, call, max_levels=max_chain)
+        if block is not None and block.speedup > choice.best.speedup:
+            choice = dataclasses.replace(choice, best=block, runner_up=choice.best)
     best = choice.best
     if best.shape.kind == "tree" and drafts_with_a_model(drafter, best.shape.spec):
         best = max([tree_with_its_drafting(best, target, drafter, batch, context, measured.cost, call),
@@ -181,7 +193,9 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
     """Acceptance from a calibration run, and the cost model corrected to rounds timed in the loop (taken from
     `timed`, the same drafter's measurements at this batch for the other kind of shape, when there are some:
     the timed loops are chains either way)."""
-    spec = kary(CALIBRATION_TREE) if trees else chain(min(CALIBRATION_CHAIN, max_chain))
+    spec = chain(min(CALIBRATION_CHAIN, max_chain))
+    if trees:  # a block drafter's tree costs one pass at any depth: measure every depth of its block, 4 ranks wide
+        spec = caterpillar(CALIBRATION_WIDTH, max_chain) if one_pass_trees(drafter) else kary(CALIBRATION_TREE)
     chains = sorted({min(k, max_chain) for k in (QUICK_CHAINS if quick else TIMED_CHAINS)})
     budget = {"repeats": QUICK_REPEATS, "min_time_s": 0.0, "max_repeats": QUICK_REPEATS,
               "max_new_tokens": min(QUICK_TIMING_TOKENS, run["max_new_tokens"])} if quick else {}
@@ -200,13 +214,20 @@ def _measure_for_auto(target, drafter, prompts, batch: int, trees: bool, max_cha
             bar.update()
         else:
             times, base = timed.times, timed.base
-    return AutoMeasurements(drafter.params, tuple(cal.p_rank),
+    p_DR = np.asarray(cal.p_depth_rank, np.float64)
+    p_DR = np.where(np.isnan(p_DR), np.asarray(cal.p_rank)[None, :], p_DR)
+    return AutoMeasurements(drafter.params, tuple(cal.p_rank), p_DR,
                             {"calibration_shape": spec.num_nodes, "calibration_rounds": cal.rounds,
                              "calibration_tau_measured": cal.measured_tau,
                              "calibration_tau_predicted": cal.predicted_tau},
                             base, with_loop_times(base, times, batch), times.prefill_s, times,
                             None if timed is None else timed.retimed_from,
                             quick=quick if timed is None else timed.quick)
+
+
+def one_pass_trees(drafter) -> bool:
+    """Whether the drafter draws a whole tree from one pass (DFlash, DSpark): its trees are priced as such."""
+    return bool(getattr(drafter, "one_pass_trees", False))
 
 
 def tree_with_its_drafting(tree: Scored, target, drafter, batch: int, cache_len: int, cost,

@@ -38,7 +38,6 @@ from specjax.config import ModelConfig, text_config
 from specjax.convert.hf_files import read_hf_config, safetensors_files
 from specjax.convert.quantized import QuantScheme, bytes_per_weight
 from specjax.drafters.eagle3 import Eagle3Config, param_shapes
-from specjax.planning.presets import SERVED
 from specjax.planning.profile import DEVICES, DTYPE_BYTES, DeviceSpec, check_tensor_parallel
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
@@ -202,17 +201,6 @@ def memory_plan(cfg: ModelConfig, model: str, device: DeviceSpec, n: int, batch:
     return MemoryPlan(model, device.name, n, device.memory_bytes, weight_bytes(cfg, tp.shards, scheme),
                       kv_bytes_per_token(cfg, tp), recurrent_bytes(cfg, tp), draft or typical_draft(cfg, mtp_layers, tp),
                       batch, context, tuple(replicated(cfg, tp)), quantization=scheme.method if scheme else "")
-
-
-def served_plans(batch: int, context: int, devices=("h100", "h200"), draft: Draft | None = None) -> list[MemoryPlan]:
-    """The README's table: each of SERVED_CASES on each device (each with its typical draft unless one is given)."""
-    plans = []
-    for name, n in SERVED_CASES:
-        hf = SERVED[name]
-        cfg = ModelConfig.from_hf(hf)
-        mtp = int(text_config(hf).get("mtp_num_hidden_layers", 0))
-        plans += [memory_plan(cfg, name, DEVICES[d], n, batch, context, draft, mtp) for d in devices]
-    return plans
 
 
 def format_memory(plans: list[MemoryPlan]) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding.drafter import Settings
-from specjax.decoding.tree import TreeSpec, chain, child_ranks, from_choices, kary
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, chain, child_ranks, from_choices, kary
 from specjax.models.target import format_count
 from specjax.planning.presets import LLAMA3_8B
 from specjax.planning.profile import (
@@ -253,7 +253,7 @@ class Shape:
     """One draft shape: "off" (plain decoding), a chain, or a tree, with its predicted tau."""
 
     kind: str  # "off" | "chain" | "tree"
-    spec: TreeSpec | None
+    spec: TreeSpec | DynamicTreeSpec | None
     tau: float
     tokens_p: tuple[float, ...] = (1.0,)  # P(a round emits 1, 2, ... tokens), for a call's slowest row
 
@@ -271,11 +271,13 @@ class Shape:
             return "off"
         if self.kind == "chain":
             return f"chain:{self.nodes - 1}"
+        if isinstance(self.spec, DynamicTreeSpec):  # a block drafter's one-pass tree (planning/block_trees.py)
+            return str(self.spec)
         return f"tree:{self.nodes}n/d{self.depth}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "label": self.label, "nodes": self.nodes, "depth": self.depth, "tau": self.tau,
-                "parents": None if self.spec is None else list(self.spec.parents)}
+                "parents": list(self.spec.parents) if isinstance(self.spec, TreeSpec) else None}
 
 
 def shape_of(spec: TreeSpec | None, p: Sequence[float] | np.ndarray) -> Shape:

@@ -392,6 +392,24 @@ def test_plan_blocks_shapes(batch, num_new, group, max_len, block_k):
             assert plan.block_k <= block_k
 
 
+def test_plan_blocks_fits_the_tiles_in_shared_memory():
+    """fp32 at head_dim 256 with block_k 128 asked H100's compiler for 288832 bytes of shared memory (of 232448) and
+    failed (`specjax compile --device h100`, docs/gpu_compile.md): the plan halves block_k until the tiles fit, and
+    refuses, naming the fallback, when even the smallest do not."""
+    from specjax.kernels.tree_attention import SHARED_MEMORY_BYTES, shared_memory_estimate
+
+    kw = dict(batch=1, kv_heads=8, max_len=4096, head_dim=256)
+    assert shared_memory_estimate(block_m=16, block_k=128, head_dim=256, itemsize=4) >= 288832
+    for num_new, group in ((1, 1), (8, 4), (16, 4), (256, 8)):
+        bf16 = plan_blocks(num_new=num_new, group=group, **kw)
+        fp32 = plan_blocks(num_new=num_new, group=group, itemsize=4, **kw)
+        assert fp32.block_k == min(bf16.block_k, 64) and fp32.block_m == bf16.block_m
+        assert shared_memory_estimate(block_m=fp32.block_m, block_k=fp32.block_k, head_dim=256,
+                                      itemsize=4) <= SHARED_MEMORY_BYTES
+    with pytest.raises(ValueError, match="attn_impl='xla'"):
+        plan_blocks(num_new=1, group=1, itemsize=4, shared_memory_bytes=40000, **kw)
+
+
 def test_plan_blocks_rejects_bad_shapes():
     """plan_blocks raises exactly what kernel_unsupported_reason reports."""
     kw = dict(batch=1, num_new=1, group=1, kv_heads=1)
