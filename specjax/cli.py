@@ -335,7 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(fn=_serve)
 
-
     from specjax.aot.compile import add_arguments as add_compile
     from specjax.aot.compile import main as compile_main
 
