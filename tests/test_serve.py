@@ -109,7 +109,8 @@ def test_logprobs_equal_generate(served, reference):
     assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
     assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
     stream = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW, logprobs=2, stream=True)
-    streamed = [v for ch in stream if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    streamed = [v for ch in stream if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(logprobs, abs=1e-4)
 
 
