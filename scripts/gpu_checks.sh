@@ -5,6 +5,9 @@
 #                                  against nodes with the MTP layer's drafting, speculative decoding
 #   scripts/gpu_checks.sh moe      the Qwen3-30B-A3B checks (random weights): decode bandwidth of the active
 #                                  experts, verify cost against nodes, both expert paths on one layer
+#   scripts/gpu_checks.sh serve    the live curve behind `specjax serve`: a random 8B target (bf16) and its random
+#                                  1B-shaped draft model, speculation off and "auto", `specjax bench serve`'s load at
+#                                  concurrency 1..64 (needs the serve extra: fastapi, uvicorn, prometheus-client, httpx)
 #   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls and whether XLA fuses the
 #                                  dequantization into the GEMM, a random 8B target's decode in bf16 vs FP8 vs INT4,
 #                                  speculation on the FP8 target, the quantized-format tests
@@ -22,7 +25,7 @@
 # Every command runs under `timeout`; on a GPU every part first compiles the kernel's block-plan sweep deviceless for
 # the lent card's kind (30 s; when a graph fails to compile the script stops there, before any GPU step); with it the dense
 # part's timeouts add up to 595 s (9 min 55 s), the hybrid part's to 595 s, the moe part's to 585 s (9 min 45 s), the
-# quant part's to 585 s, the blocktrees part's to 595 s, the engine part's to 575 s (9 min 35 s) and the tp part's to
+# quant part's to 585 s, the blocktrees part's to 595 s, the engine part's to 575 s (9 min 35 s), the serve part's to 590 s (9 min 50 s) and the tp part's to
 # 555 s (9 min 15 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
@@ -95,6 +98,18 @@ step profile_moe timeout 190 python scripts/profile_preset.py --preset qwen3_30b
 step bench_moe_paths timeout 120 python scripts/bench_moe.py --paths-only --preset qwen3_30b_a3b --dtype bfloat16 \
     --tokens 1,2,8,32,128,512,4096 --out "$out/bench_moe_paths.json"
 step moe_gpu_tests timeout 40 python -m pytest -q tests/test_gpu_path.py -k moe
+elif [ "${1:-}" = "serve" ]; then
+# S1. Throughput and TPOT against concurrency 1, 4, 16, 64 with speculation off and "auto" (random weights accept
+#     little, so auto should settle on off or a short chain; the curve shows what serving and the engine cost under
+#     load), each server warmed up first. The JSON is rewritten after every setting.
+if python -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
+    step serve_curve_8b timeout 560 python scripts/serve_curve.py --preset 8b --settings off,auto \
+        --concurrency 1,4,16,64 --max-slots 64 --max-len 512 --input-len 128 --output-len 64 --prompts-per-slot 2 \
+        --out "$out/serve_curve_8b.json" --plot "$out/serve_curve_8b.png"
+else
+    echo "=== serve_curve_8b: skipped (the serve extra is not installed here: pip install -e '.[serve]')"
+    echo "serve_curve_8b: skipped, no serve extra" >"$out/serve_curve_8b.log"
+fi
 elif [ "${1:-}" = "quant" ]; then
 # Q1. Quantized weights (docs/quantization.md): [1..8, 4096] x [4096, 14336] in bf16 / block FP8 / INT4 (group 128),
 #     each dequantized inside the jitted matmul; whether XLA fuses the dequantization into the GEMM (compiled HLO,

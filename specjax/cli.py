@@ -1,4 +1,4 @@
-"""The `specjax` command: convert, generate, bench, plan, profile, demo."""
+"""The `specjax` command: convert, generate, serve, bench, plan, profile, demo."""
 
 from __future__ import annotations
 
@@ -196,6 +196,18 @@ def _eos_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 2,32000, got {text!r}") from None
 
 
+def _serve(args) -> int:
+    from specjax.serve.main import main  # FastAPI and uvicorn (the serve extra), only when serving
+
+    return main(args)
+
+
+def _bench_serve(args) -> int:
+    from specjax.bench.serving.main import main  # httpx (the serve extra), only when benchmarking a server
+
+    return main(args)
+
+
 def _plan(args) -> int:
     """`specjax plan`; with --memory --compiled the memory plan beside the compiler's figure (specjax/aot/memory.py)."""
     from specjax.planning.advisor import memory_cases, plan_main
@@ -316,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(p)
     p.set_defaults(fn=profile_main)
 
+    from specjax.serve.args import add_arguments as add_serve_args
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics) "
+                                     "on the engine")
+    add_serve_args(p)
+    p.set_defaults(fn=_serve)
+
     from specjax.aot.compile import add_arguments as add_compile
     from specjax.aot.compile import main as compile_main
 
@@ -331,8 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (same as scripts/bench.py)").add_subparsers(dest="mode",
                                                                                              required=True)
+    from specjax.bench.serving.args import add_arguments as add_serve
+
     for mode, add, fn, text in (("ar", add_ar, bench_ar, "plain decoding vs transformers"),
-                                ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep")):
+                                ("spec", add_spec, bench_spec, "speculative decoding vs plain, replay sweep"),
+                                ("serve", add_serve, _bench_serve, "load an OpenAI-compatible server (vLLM's flags "
+                                                                  "and metrics)")):
         p = bench.add_parser(mode, help=text)
         add(p)
         p.set_defaults(fn=fn)

@@ -26,7 +26,8 @@ RANKS = {
     "bench": 8, "train": 8,
     "engine": 8,      # continuous batching: slots, the load policy, the engine's thread
     "aot": 8,         # deviceless compilation of the production graphs for H100/H200 (specjax compile)
-    "demo": 9, "cli": 9, "__init__": 9,
+    "serve": 9,       # the OpenAI-compatible HTTP server on the engine
+    "demo": 10, "cli": 10, "__init__": 10,
 }
 
 
