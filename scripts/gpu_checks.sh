@@ -23,10 +23,11 @@
 #   scripts/gpu_checks.sh engine   the engine (continuous batching, speculation following the live load) on a random
 #                                  8B target: replay at 0.6 / 0.9 and a random draft model, concurrency 1..64
 # Every command runs under `timeout`; on a GPU every part first compiles the kernel's block-plan sweep deviceless for
-# the lent card's kind (30 s; when a graph fails to compile the script stops there, before any GPU step); with it the dense
-# part's timeouts add up to 595 s (9 min 55 s), the hybrid part's to 595 s, the moe part's to 585 s (9 min 45 s), the
-# quant part's to 585 s, the blocktrees part's to 595 s, the engine part's to 575 s (9 min 35 s), the serve part's to 590 s (9 min 50 s) and the tp part's to
-# 555 s (9 min 15 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
+# the lent card's kind (30 s; when a graph fails to compile the script stops there, before any GPU step); with it and
+# the install (30 s) the dense part's timeouts add up to 595 s (9 min 55 s), the hybrid part's to 595 s (9 min 55 s),
+# the moe part's to 585 s (9 min 45 s), the serve part's to 575 s (9 min 35 s), the quant part's to 585 s (9 min 45 s),
+# the blocktrees part's to 575 s (9 min 35 s), the tp part's to 555 s (9 min 15 s) and the engine part's to 575 s
+# (9 min 35 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
 # script exits non-zero when any step failed (124 = timed out).
 # Writes logs and JSON under ${OUT:-runs/gpu}. Assumes jax with CUDA, flax, optax, orbax, chex
@@ -103,7 +104,7 @@ elif [ "${1:-}" = "serve" ]; then
 #     little, so auto should settle on off or a short chain; the curve shows what serving and the engine cost under
 #     load), each server warmed up first. The JSON is rewritten after every setting.
 if python -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
-    step serve_curve_8b timeout 560 python scripts/serve_curve.py --preset 8b --settings off,auto \
+    step serve_curve_8b timeout 500 python scripts/serve_curve.py --preset 8b --settings off,auto \
         --concurrency 1,4,16,64 --max-slots 64 --max-len 512 --input-len 128 --output-len 64 --prompts-per-slot 2 \
         --out "$out/serve_curve_8b.json" --plot "$out/serve_curve_8b.png"
 else
@@ -115,7 +116,7 @@ elif [ "${1:-}" = "quant" ]; then
 #     each dequantized inside the jitted matmul; whether XLA fuses the dequantization into the GEMM (compiled HLO,
 #     kept beside the JSON); a random 8B target's batch-1 decode in bf16, FP8 and INT4 (ms per token, bytes held);
 #     replay chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
-step bench_quant_8b timeout 390 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
+step bench_quant_8b timeout 360 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
     --formats fp8 int4 --tokens 64 --repeats 3 --spec 3 --hlo --out "$out/bench_quant_8b.json"
 # Q2. The quantized-format parity tests on the GPU (block FP8 end to end, compressed-tensors, AWQ).
 step quant_tests timeout 150 python -m pytest -q tests/test_quantized.py tests/test_quantized_formats.py
@@ -126,7 +127,7 @@ step block_tree_tests timeout 150 python -m pytest -q tests/test_block_tree.py t
     tests/test_dflash.py -k "block_tree or jetspec or one_pass or heap or template or load"
 # B2. The embedded DFlash / DSpark heads: chains vs trees of 15, 63, 255 drafts at B = 1, 8, 32 (tau, tokens/s,
 #     outputs equal to plain decoding) and the planner's pick per batch on this GPU's roofline.
-step bench_block_trees timeout 400 python scripts/bench_block_trees.py --batches 1,8,32 \
+step bench_block_trees timeout 350 python scripts/bench_block_trees.py --batches 1,8,32 \
     --out "$out/block_trees.json"
 elif [ "${1:-}" = "tp" ]; then
 # T1. What `specjax plan --tensor-parallel` charges per all-reduce, measured: a psum of [tokens, 8192] bf16
@@ -150,7 +151,7 @@ elif [ "${1:-}" = "engine" ]; then
 # E1. specjax.Engine, random 8B target in bf16, 64 slots: per drafter (replay 0.6, replay 0.9, the random 1B-shaped
 #     draft model) "auto" against "off" and chains of 1, 2, 4 at concurrency 1, 4, 16, 64, then a ramp 1 -> 64 -> 1
 #     with the shape chosen against time (JSON and plot).
-step engine_load timeout 530 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
+step engine_load timeout 500 python scripts/bench_engine_load.py --preset 8b --slots 64 --concurrency 1,4,16,64 \
     --requests 64 --tokens 64 --repeats 1 --step-s 3 --out "$out/engine_load.json" --plot "$out/engine_load.png"
 else
 # 1. Kernel correctness on the GPU itself (compiled Triton, not interpret mode).

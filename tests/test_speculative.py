@@ -227,9 +227,9 @@ def test_seed_none_draws_fresh_randomness_and_reports_it(target, prompts):
     assert specjax.generate(target, prompts, seed=a.stats["seed"], **kwargs).tokens == a.tokens
 
 
-@pytest.mark.parametrize("seed", [-1, 2**32, 1.5, [1, 2]])
-def test_bad_seeds_are_refused(target, prompts, seed):
-    with pytest.raises(ValueError, match="seed"):
+@pytest.mark.parametrize("seed, error", [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ([1, 2], ValueError)])
+def test_bad_seeds_are_refused(target, prompts, seed, error):
+    with pytest.raises(error, match="seed"):  # a wrong type is a TypeError (SamplingParams' rule), a bad value not
         specjax.generate(target, prompts, max_new_tokens=4, temperature=1.0, seed=seed)
 
 

@@ -237,12 +237,19 @@ def routed_experts(model, tokens_BT) -> list[np.ndarray]:
     for moe in moes:
         moe.record = True
     try:
-        model(tokens_BT)
-        return [np.asarray(moe.routed[0]) for moe in moes]
+        _, sown = nnx.capture(model, nnx.Intermediate)(tokens_BT)  # Flax's way to read what sow() stored
     finally:
         for moe in moes:
             moe.record = False
-            del moe.routed
+    routed = [(path, value) for path, value in nnx.to_flat_state(sown) if path[-1] == "routed"]
+    routed.sort(key=lambda item: [k if isinstance(k, int) else -1 for k in item[0]])  # layer order
+    return [np.asarray(_first(value)) for _, value in routed]
+
+
+def _first(value):
+    """The first value sow() stored (a tuple of calls' values, inside a Variable or not)."""
+    value = value.get_value() if hasattr(value, "get_value") else value
+    return value[0] if isinstance(value, tuple) else value
 
 
 def distinct_experts(routed: list[np.ndarray], tokens: int, samples: int = 64, seed: int = 0) -> float:
