@@ -129,7 +129,8 @@ def main() -> None:
                   f" | auto/off {med['auto'] / med['off']:.2f}, auto/best({best_fixed}) "
                   f"{med['auto'] / med[best_fixed]:.2f}")
         auto = engines["auto"]
-        history_from = len(auto.stats()["shapes_over_time"])
+        history = auto.stats()["shapes_over_time"]
+        history_from = max(0, len(history) - 1)  # the shape in use when the ramp starts, then every change
         samples: list = []
         ramp_began = time.perf_counter() - auto._started  # the engine's clock, which shapes_over_time uses
         ramp = [1] + [c for c in (2 ** i for i in range(1, 10)) if c <= args.slots]

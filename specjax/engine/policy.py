@@ -9,8 +9,8 @@ Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / roun
 - "off" emits one token per row per step.
 Hysteresis: the shape in use is kept while its prediction is within `hysteresis` of the best, so one request
 joining or leaving does not flip it. The loop is closed: each chunk's realized tokens per live row per second is
-recorded per (bucket, shape), and a shape that measures worse than off at a bucket (both with `MIN_SAMPLES`
-chunks) is dropped there.
+recorded per (bucket, shape), and a shape that measures more than 5% worse than off at a bucket (both over
+`MIN_SAMPLES` chunks) is dropped there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 OFF = "off"
 PRIOR_ACCEPTANCE = 0.7
 MIN_OFFERED = 16  # nodes offered at a depth before its measured acceptance replaces the prior
-MIN_SAMPLES = 3  # chunks per (bucket, shape) before a realized rate can drop a shape
+MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
+DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
 EMA = 0.3  # weight of a new chunk in the running averages
 
 
@@ -90,7 +91,7 @@ class LoadPolicy:
         self.row_rate[(nb, label)].add(tokens / live / seconds)
         off, this = self.row_rate.get((nb, OFF)), self.row_rate[(nb, label)]
         if label != OFF and off is not None and min(off.samples, this.samples) >= MIN_SAMPLES \
-                and this.value < off.value:
+                and this.value < DROP_MARGIN * off.value:
             self.dropped.add((nb, label))
 
     def summary(self) -> dict:
