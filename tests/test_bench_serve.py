@@ -200,12 +200,12 @@ class ScriptedHandler(BaseHTTPRequestHandler):
             usage = {"prompt_tokens": 7, "completion_tokens": done, "total_tokens": 7 + done}
             writes.append(time.perf_counter())
             emit({"choices": [choice(text)], **({"usage": usage} if usage_each else {})})
+        with ScriptedHandler.lock:  # counted before the client can see the end (as a server's counters are), so a
+            ScriptedHandler.served += 1  # /metrics scrape right after a response always includes it
         writes.append(time.perf_counter())
         emit({"choices": [choice("", "length")]})
         emit({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": done, "total_tokens": 7 + done}})
         self.wfile.write(b"data: [DONE]\n\n")
-        with ScriptedHandler.lock:
-            ScriptedHandler.served += 1
 
 
 @pytest.fixture(scope="module")
