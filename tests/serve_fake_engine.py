@@ -9,38 +9,15 @@ queue. Stop strings end a request on the text. Bad settings raise at submit, as 
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import threading
 import time
-from typing import Any
+
+from specjax.decoding.stream import StreamChunk
+from specjax.engine.handle import RequestHandle, RequestOutput
 
 SETTINGS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs",
             "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
             "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs", "eos_token_id"}
-
-
-@dataclasses.dataclass
-class Chunk:  # the fields of specjax.decoding.stream.StreamChunk the server reads
-    index: int
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    stop_reason: Any = None
-
-
-@dataclasses.dataclass
-class Output:
-    prompt_ids: list[int]
-    tokens: list[int]
-    text: str | None
-    finish_reason: str
-    stop_reason: Any = None
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
-    stats: dict = dataclasses.field(default_factory=dict)
 
 
 def next_token(last: int, vocab: int) -> int:
@@ -59,53 +36,20 @@ def token_logprob(position: int) -> float:
     return -0.25 * (position + 1)
 
 
-class Handle:
-    def __init__(self, prompt: list[int], settings: dict):
+class Handle(RequestHandle):
+    """The engine's own handle (result, sync and async streaming), with what the fake needs beside it."""
+
+    def __init__(self, request_id: int, prompt: list[int], settings: dict):
+        super().__init__(request_id)
         self.prompt, self.settings = prompt, settings
         self.tokens: list[int] = []
         self.text = ""
-        self.chunks: list[Chunk] = []
-        self.output: Output | None = None
-        self.cond = threading.Condition()
-        self.wakers: list = []
         self.aborted = False
 
-    def push(self, chunk: Chunk, output: Output | None = None):
-        with self.cond:
-            self.chunks.append(chunk)
-            self.output = output
-            self.cond.notify_all()
-        for loop, event in list(self.wakers):
-            loop.call_soon_threadsafe(event.set)
-
-    def done(self) -> bool:
-        return self.output is not None
-
-    def result(self, timeout=None) -> Output:
-        with self.cond:
-            if not self.cond.wait_for(self.done, timeout):
-                raise TimeoutError("not finished")
-        return self.output
-
-    async def __aiter__(self):
-        event = asyncio.Event()
-        waker = (asyncio.get_running_loop(), event)
-        self.wakers.append(waker)
-        try:
-            i = 0
-            while True:
-                event.clear()
-                with self.cond:
-                    chunks, finished = self.chunks[i:], self.done()
-                for c in chunks:
-                    yield c
-                i += len(chunks)
-                if finished and i == len(self.chunks):
-                    return
-                if not chunks:
-                    await event.wait()
-        finally:
-            self.wakers.remove(waker)
+    def push(self, chunk: StreamChunk, output: RequestOutput | None = None):
+        self._push(chunk)
+        if output is not None:
+            self._finish(output)
 
 
 class FakeEngine:
@@ -131,7 +75,7 @@ class FakeEngine:
             raise ValueError(f"temperature must be >= 0, got {settings['temperature']}")
         if len(prompt) + settings.get("max_new_tokens", 16) > self.max_len:
             raise ValueError(f"prompt + max_new_tokens exceeds max_len {self.max_len}")
-        h = Handle(list(prompt), settings)
+        h = Handle(len(self.submitted), list(prompt), settings)
         with self.lock:
             self.submitted.append(settings)
             self.waiting.append(h)
@@ -186,13 +130,13 @@ class FakeEngine:
         h.push(self._chunk(h, new, text[len(h.text):], None, None, start))
         h.text = text
 
-    def _chunk(self, h, new, text, reason, stop, start) -> Chunk:
+    def _chunk(self, h, new, text, reason, stop, start) -> StreamChunk:
         lp = top = None
         if h.settings.get("logprobs"):
             lp = [token_logprob(start + i) for i in range(len(new))]
             n = h.settings.get("top_logprobs", 0)
             top = [[((t + j) % self.vocab, token_logprob(start + i) - j) for j in range(n)] for i, t in enumerate(new)]
-        return Chunk(0, new, text, reason, lp, top, stop)
+        return StreamChunk(0, new, text, reason, lp, top, stop)
 
     def _finish(self, h, new, reason, stop=None, text=None, start=0):
         text = h.text if text is None else text
@@ -203,7 +147,7 @@ class FakeEngine:
         if h.settings.get("logprobs"):
             chunk = self._chunk(h, h.tokens, "", None, None, 0)
             all_lp, all_top = chunk.logprobs, chunk.top_logprobs
-        out = Output(h.prompt, list(h.tokens), text, reason, stop, all_lp, all_top)
+        out = RequestOutput(h.request_id, h.prompt, list(h.tokens), text, reason, stop, all_lp, all_top)
         last = self._chunk(h, new, text[len(h.text):], reason, stop, start)
         h.text = text
         h.push(last, out)
