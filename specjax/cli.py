@@ -7,6 +7,8 @@ import dataclasses
 import json
 import sys
 
+from specjax.serve.args import draft_shape  # argparse only: no server package is imported
+
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}  # CLI spelling -> dtype name
 
 
@@ -178,16 +180,6 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _draft_tokens(text: str) -> int | str:
-    """--num-draft-tokens: a chain length K, 'auto' or 'off'."""
-    if text in ("auto", "off"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a chain length K, 'auto' or 'off', got {text!r}") from None
-
-
 def _eos_ids(text: str) -> list[int]:
     """--eos: comma-separated token ids (empty: never stop on EOS)."""
     try:
@@ -283,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EOS token ids, comma-separated, instead of the checkpoint's ('' never stops on EOS)")
     p.add_argument("--drafter", default=None,
                    help="a drafter directory of any family (draft model, EAGLE-3, MTP, DFlash, DSpark), or 'ngram'")
-    p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
+    p.add_argument("--num-draft-tokens", type=draft_shape, default=None,
                    help="chain length K (default 4), 'auto' (the planner picks a chain or off) or 'off'")
     p.add_argument("--tree", default=None,
                    help="draft tree instead of a chain, e.g. kary:3,2,1 or dynamic:top_k=8,depth=5,total_tokens=60; "

@@ -42,7 +42,7 @@ def draft_shape(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, off or a chain length K, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a chain length K, 'auto' or 'off', got {text!r}") from None
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
