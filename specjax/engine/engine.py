@@ -482,7 +482,7 @@ class Engine:
 
     def _rows_bucket(self, n: int) -> int:
         """Rows a chunk or a prefill of n rows runs: a power of two, a multiple of the data-parallel size."""
-        return min(batch_bucket(n, self.data), self.max_slots) if n <= self.max_slots else batch_bucket(n, self.data)
+        return min(batch_bucket(n, self.data), self.max_slots)
 
     def _prefill(self, group: list[_Active], length: int) -> None:
         pb = self._rows_bucket(len(group))
