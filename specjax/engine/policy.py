@@ -7,10 +7,12 @@ Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / roun
   1 + a_1 + ... + a_K, a_d the chance its depth-d draft is emitted; depths not yet run continue the last measured
   ratio a_d / a_(d-1); before any data a prior of 0.7 per depth);
 - "off" emits one token per row per step.
-Hysteresis: the shape in use is kept while its prediction is within `hysteresis` of the best, so one request
-joining or leaving does not flip it. The loop is closed: each chunk's realized tokens per live row per second is
-recorded per (bucket, shape), and a shape that measures more than 5% worse than off at a bucket (both over
-`MIN_SAMPLES` chunks) is dropped there.
+Hysteresis, in size and in time: the shape in use is kept while its prediction is within `hysteresis` of the best,
+and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
+joining and leaving (a bucket boundary crossed back and forth) or one noisy chunk time does not flip it. A shape in
+use that is dropped at this bucket is left at once. The loop is closed: each chunk's realized tokens per live row
+per second is recorded per (bucket, shape), and a shape that measures more than 5% worse than off at a bucket
+(both over `MIN_SAMPLES` chunks) is dropped there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ PRIOR_ACCEPTANCE = 0.7
 MIN_OFFERED = 16  # nodes offered at a depth before its measured acceptance replaces the prior
 MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
 DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
-EMA = 0.3  # weight of a new chunk in the running averages
+EMA = 0.2  # weight of a new chunk in the running averages
+DWELL = 3  # choices in a row a challenger must lead by more than the hysteresis before it replaces the shape in use
 
 
 @dataclasses.dataclass
@@ -41,8 +44,9 @@ class Average:
 class LoadPolicy:
     """Chooses among `labels` ("off", "chain:K"); `depths[label]` is a chain's K (0 for off)."""
 
-    def __init__(self, labels: list[str], depths: dict[str, int], hysteresis: float = 0.05):
-        self.labels, self.depths, self.hysteresis = list(labels), dict(depths), hysteresis
+    def __init__(self, labels: list[str], depths: dict[str, int], hysteresis: float = 0.05, dwell: int = DWELL):
+        self.labels, self.depths, self.hysteresis, self.dwell = list(labels), dict(depths), hysteresis, dwell
+        self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
         self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)
         self.dropped: set[tuple[int, str]] = set()
@@ -79,8 +83,17 @@ class LoadPolicy:
             return current if current in unknown else unknown[0]
         scores = {label: self.predicted(nb, live, label) for label in options}
         best = max(scores, key=scores.get)
-        if current in scores and scores[current] >= (1 - self.hysteresis) * scores[best]:
+        if current not in scores:  # nothing in use yet, or the shape in use was dropped at this bucket
+            self.challenger, self.streak = None, 0
+            return best
+        if scores[current] >= (1 - self.hysteresis) * scores[best]:
+            self.challenger, self.streak = None, 0
             return current
+        self.streak = self.streak + 1 if best == self.challenger else 1
+        self.challenger = best
+        if self.streak < self.dwell:
+            return current
+        self.challenger, self.streak = None, 0
         return best
 
     def record(self, nb: int, live: int, label: str, rounds: int, tokens: int, seconds: float) -> None:
