@@ -13,8 +13,8 @@ engine should learn to keep speculation off).
 
 1. Fixed concurrency c (`--concurrency`): max(`--requests`, 4c) requests kept c in flight (a new one submitted as one ends),
    through one engine per setting: "auto" (off or a chain of `--chains`, chosen per chunk), "off", and each fixed
-   chain. Settings run interleaved, `--repeats` times; tokens/s medians are reported, and auto / off and
-   auto / best fixed per concurrency.
+   chain. Settings run interleaved (a shuffled order per repeat), `--repeats` times; tokens/s medians are reported,
+   and auto / off and auto / best fixed per concurrency as the median of the ratios within each repeat.
 2. A ramp: target concurrency 1 -> --slots -> 1 in steps of `--step-s` seconds through the "auto" engine; the shape
    it chose (engine.stats()["shapes_over_time"]) against time, beside the live occupancy sampled every 50 ms.
 Every engine is warmed up first (compile and cost profile), and nothing compiles during the timed runs (checked).
@@ -110,24 +110,31 @@ def main() -> None:
             print(f"{which} {name}: warmup {warm:.1f} s, {engines[name].stats()['compiles']} compiles")
         compiles = {name: e.stats()["compiles"] for name, e in engines.items()}
         runs = {c: {name: [] for name in engines} for c in levels}
+        auto_shapes = {c: [] for c in levels}  # the shapes "auto" ran at each level (each change, in order)
         for rep in range(args.repeats):
             for c in levels:
                 order = list(engines)
                 np.random.default_rng(rep * 100 + c).shuffle(order)
                 for name in order:
+                    changes_before = len(engines[name].stats()["shapes_over_time"])
                     tokens, seconds = keep_in_flight(engines[name], prompts, args.tokens, c,
                                                      total=max(args.requests, 4 * c))
                     runs[c][name].append(tokens / seconds)
+                    if name == "auto":
+                        history = engines[name].stats()["shapes_over_time"]
+                        auto_shapes[c].append([s for _, _, s in history[max(0, changes_before - 1):]])
         table = []
         for c in levels:
             med = {name: statistics.median(v) for name, v in runs[c].items()}
             best_fixed = max((n for n in med if n != "auto"), key=med.get)
-            table.append({"concurrency": c, "tok_s": med, "auto_vs_off": med["auto"] / med["off"],
-                          "best_fixed": best_fixed, "auto_vs_best": med["auto"] / med[best_fixed],
-                          "auto_shapes": [s for _, _, s in engines["auto"].stats()["shapes_over_time"]][-3:]})
+            # ratios within each repeat (the settings ran back to back), then their median: drift on a shared machine
+            # moves both sides of a ratio alike
+            ratio = {ref: statistics.median(a / b for a, b in zip(runs[c]["auto"], runs[c][ref]))
+                     for ref in ("off", best_fixed)}
+            table.append({"concurrency": c, "tok_s": med, "runs_tok_s": runs[c], "auto_vs_off": ratio["off"],
+                          "best_fixed": best_fixed, "auto_vs_best": ratio[best_fixed], "auto_shapes": auto_shapes[c]})
             print(f"{which} c={c}: " + ", ".join(f"{n} {v:.1f}" for n, v in med.items()) +
-                  f" | auto/off {med['auto'] / med['off']:.2f}, auto/best({best_fixed}) "
-                  f"{med['auto'] / med[best_fixed]:.2f}")
+                  f" | auto/off {ratio['off']:.2f}, auto/best({best_fixed}) {ratio[best_fixed]:.2f}")
         auto = engines["auto"]
         history = auto.stats()["shapes_over_time"]
         history_from = max(0, len(history) - 1)  # the shape in use when the ramp starts, then every change
