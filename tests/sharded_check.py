@@ -524,8 +524,8 @@ def part_kernel(work: Path, checks: Checks) -> None:
 
 
 def part_engine(work: Path, checks: Checks) -> None:
-    """Greedy requests through the engine at DP 2 x TP 4, with a draft model whose shape switches between off and a
-    chain at random, equal one device's plain decoding; no compile after warmup."""
+    """Greedy requests through the engine at TP 2 and DP 2 x TP 4, with a draft model whose shape switches between
+    off and a chain at random, equal one device's plain decoding; no compile after warmup."""
     import random
 
     from hf_tiny import build_hf_model, save_hf_model
@@ -540,7 +540,7 @@ def part_engine(work: Path, checks: Checks) -> None:
     budgets = [10, 6, 12, 8]
     one = load_on(target_dir, None)
     want = [specjax.generate(one, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in zip(prompts, budgets)]
-    meshes_ = {"dp2_tp4": jax_mesh((2, 4))}  # slots over "data", heads over "model" (TP alone: the sharding tests)
+    meshes_ = {"tp2": jax_mesh((1, 2)), "dp2_tp4": jax_mesh((2, 4))}  # slots over "data", heads over "model"
     for name, mesh in meshes_.items():
         target = load_on(target_dir, mesh)
         draft = specjax.load_drafter(draft_dir, target)

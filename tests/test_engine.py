@@ -229,7 +229,7 @@ def test_sampled_output_keeps_the_target_distribution_under_mixed_load():
 
 
 def test_engine_on_a_mesh_equals_one_device(tmp_path):
-    """DP 2 x TP 4 on 8 fake CPU devices (a subprocess: tests/sharded_check.py part "engine")."""
+    """TP 2 and DP 2 x TP 4 on 8 fake CPU devices (a subprocess: tests/sharded_check.py part "engine")."""
     from sharded_check import failed, run_part
 
     checks, _ = run_part("engine", tmp_path)
