@@ -601,6 +601,24 @@ def part_quantized(work: Path, checks: Checks) -> None:
                     (("model", None), ("model", None)))
         checks.same(f"quantized/{name}/w_down shard", tuple(w_down.q.addressable_shards[0].data.shape),
                     (128 // n, 64))
+    # block-FP8 experts, kept quantized ([E, ...] values and scales): split inside the experts, and whole experts
+    # per device (expert parallel, the values and scales of each expert under shard_map together)
+    from hf_tiny import build_moe
+
+    from specjax.models.sharding import EXPERT_PARALLEL
+    from specjax.quant.qarray import QuantizedWeight
+
+    moe_dir = write_block_fp8(build_moe("qwen3_moe", seed=8, num_hidden_layers=2, num_attention_heads=8,
+                                        num_key_value_heads=4), work / "moe_fp8", block=(16, 16))
+    want = specjax.generate(load_on(moe_dir, None, dtype="float32"), prompts, **kw).tokens
+    mesh = meshes()["dp2_tp4"][0]
+    for how, rules in (("inside experts", None), ("expert parallel", EXPERT_PARALLEL)):
+        target = load_on(moe_dir, mesh, dtype="float32", rules=rules)
+        experts = target.params["layers"][0]["moe"]["w_gate"]
+        checks.add(f"quantized/moe {how}/experts stay quantized", isinstance(experts, QuantizedWeight),
+                   type(experts).__name__)
+        checks.same(f"quantized/moe {how}/plain equals one device", specjax.generate(target, prompts, **kw).tokens,
+                    want)
 
 
 def main(part: str, workdir: str) -> None:

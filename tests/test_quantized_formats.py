@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -259,8 +260,9 @@ def test_gptq_matmul_equals_autogptqs(case):
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_moe"])
 def test_hybrid_and_moe_fp8_checkpoints_equal_transformers(tmp_path, arch):
     """Block FP8 on Qwen3.5 (linear_attn's in_proj_qkv / in_proj_z / out_proj, the gated attention, the MLPs) and
-    on Qwen3-MoE (every expert, one module each): specjax dequantizes those at load (docs/quantization.md) and a
-    MoE target's attention and dense-layer weights stay quantized; logits equal transformers' dequantized model."""
+    on Qwen3-MoE (every expert, one module each): specjax dequantizes Qwen3.5's at load (docs/quantization.md); a
+    MoE target's experts ([E, ...] values and block scales), attention and dense layers stay quantized. Logits equal
+    transformers' dequantized model; greedy decoding (the experts' one-token path) equals the exact mode's."""
     from hf_tiny import build_moe, build_qwen35
 
     model = build_qwen35("causal_lm") if arch == "qwen3_5" else build_moe("qwen3_moe", num_hidden_layers=2)
@@ -269,3 +271,37 @@ def test_hybrid_and_moe_fp8_checkpoints_equal_transformers(tmp_path, arch):
     assert ("quantized=fp8" in repr(target)) == (arch == "qwen3_moe")
     ref = reference_logits(path)
     np.testing.assert_allclose(logits(target), ref, atol=2e-4 * np.abs(ref).max())
+    if arch == "qwen3_moe":
+        experts = target.params["layers"][0]["moe"]
+        assert all(isinstance(experts[k], QuantizedWeight) and experts[k].shape[0] == 8
+                   for k in ("w_gate", "w_up", "w_down"))
+        exact = specjax.load(path, dtype="float32", dequantize=True)
+        prompts = [[5, 9, 14, 3], [7, 7, 21]]
+        assert specjax.generate(target, prompts, max_new_tokens=8, eos_token_id=[]).tokens == \
+            specjax.generate(exact, prompts, max_new_tokens=8, eos_token_id=[]).tokens
+
+
+@pytest.mark.parametrize("path", ["gather", "sorted", "ragged", "accelerator"])
+def test_quantized_experts_equal_their_dequantized_arrays_on_every_expert_path(monkeypatch, path):
+    """[E, D, I] block-FP8 experts through each expert path (and the accelerator's batched gather, taken on this
+    CPU by saying it is a GPU) equal the same path on the dequantized arrays."""
+    from specjax.models import moe
+
+    rng = np.random.default_rng(0)
+    e, d, i, n, k = 4, 32, 48, 6, 2
+
+    def block_fp8(shape):
+        q = rng.normal(size=shape).astype(ml_dtypes.float8_e4m3fn)
+        scale = rng.uniform(0.01, 0.05, size=shape[:-2] + (-(-shape[-2] // 16), -(-shape[-1] // 16)))
+        return QuantizedWeight(q, scale.astype(np.float32), block=(16, 16), fmt="fp8 block 16x16",
+                               compute_dtype="float32")
+
+    weights = [block_fp8((e, d, i)), block_fp8((e, d, i)), block_fp8((e, i, d))]
+    x_ND = jax.numpy.asarray(rng.normal(size=(n, d)), np.float32)
+    weights_NK, experts_NK = moe.route(x_ND, rng.normal(size=(d, e)).astype(np.float32), k, True)
+    fn = moe.EXPERT_PATHS["gather" if path == "accelerator" else path]
+    if path == "accelerator":
+        monkeypatch.setattr(moe.kernels, "on_gpu", lambda: True)
+    run = jax.jit(lambda *ws: fn(x_ND, weights_NK, experts_NK, *ws))
+    want = run(*(w.dequantize(np.float32) for w in weights))
+    np.testing.assert_allclose(np.asarray(run(*weights)), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import numpy as np
 
 from specjax.convert.lazy import stack
+from specjax.convert.quantized import uniform_weights
 
 Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected specjax shape, transpose) -> array
 
@@ -47,7 +49,10 @@ def take_moe(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
         moe["w_down"] = take(prefix + FUSED_DOWN, (e, d, i), False).transpose(0, 2, 1)
     else:
         for key, proj in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
-            moe[key] = stack([take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)])
+            experts = [take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)]
+            # quantized experts stay quantized: [E, ...] values and scales (models/moe.py dequantizes the ones used)
+            experts = uniform_weights(experts, None)  # mixed: dequantized to the model dtype
+            moe[key] = jax.tree.map(lambda *xs: stack(xs), *experts)
     for key, name in SHARED.items():
         if key in shapes:
             moe[key] = take(prefix + name, shapes[key], True)

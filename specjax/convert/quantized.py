@@ -314,14 +314,21 @@ def read_gptq(got: dict, module: str, scheme: QuantScheme, compute_dtype: str) -
 
 
 def uniform_layers(per_layer: list[dict], dtype) -> list[dict]:
-    """Per-layer weight dicts made stackable: a weight quantized in some layers only (a tool that left a layer
-    plain), or in different formats, is dequantized to `dtype` in every layer."""
-    keys = per_layer[0].keys()
+    """Per-layer weight dicts (nested: an MoE's `moe` dict) made stackable: each weight by `uniform_weights`."""
     out = [dict(layer) for layer in per_layer]
-    for k in keys:
+    for k in per_layer[0]:
         values = [layer[k] for layer in per_layer]
-        quantized = [isinstance(v, QuantizedWeight) for v in values]
-        if any(quantized) and (not all(quantized) or len({(v.block, v.fmt, v.q.dtype, v.zero is None, v.g_idx is None) for v in values}) > 1):
-            for layer, v in zip(out, values):
-                layer[k] = v.dequantize(dtype) if isinstance(v, QuantizedWeight) else v
+        fixed = uniform_layers(values, dtype) if isinstance(values[0], dict) else uniform_weights(values, dtype)
+        for layer, v in zip(out, fixed):
+            layer[k] = v
     return out
+
+
+def uniform_weights(values: list, dtype) -> list:
+    """Weights to stack (one per layer, or one per expert) made stackable: a weight quantized in some entries only
+    (a tool that left a layer or an expert plain), or in different formats, is dequantized to `dtype` in every one."""
+    quantized = [isinstance(v, QuantizedWeight) for v in values]
+    if any(quantized) and (not all(quantized) or len({(v.block, v.fmt, v.q.dtype, v.zero is None, v.g_idx is None)
+                                                      for v in values}) > 1):
+        return [v.dequantize(dtype) if isinstance(v, QuantizedWeight) else v for v in values]
+    return list(values)

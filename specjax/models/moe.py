@@ -19,6 +19,10 @@ batched matmul: no Pallas kernel here, so the gathered matrices are copied befor
 grouped GEMM reading them in place, as vLLM's Triton fused_moe does, would save the copy); scripts/
 gpu_checks.sh moe times the paths there. `expert_path` picks a path from the slot count (static under jit);
 scripts/bench_moe.py measures where they cross on this CPU.
+
+Experts read from a quantized checkpoint stay quantized ([E, ...] `QuantizedWeight`s, specjax/quant): the gather
+and sorted paths index the blocks' experts first and dequantize only those, inside the trace, so a step reads
+the quantized bytes of the experts it uses; "ragged" dequantizes every expert (it reads every expert anyway).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from specjax import kernels
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
 from specjax.models.sharding import active_mesh, axis_size, split
+from specjax.quant.qarray import is_quantized
 
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
 # batch 1 skips the sort and the block bookkeeping, a handful of kernels on a GPU). On this CPU both run the same
@@ -63,6 +68,18 @@ def route(x_ND: jax.Array, router_DE: jax.Array, top_k: int, normalize: bool) ->
     return top_NK.astype(x_ND.dtype), experts_NK.astype(jnp.int32)
 
 
+def expert(w_EDI, e) -> jax.Array:
+    """Expert e's matrix of [E, ...] experts (e traced), quantized experts dequantized after the index."""
+    if is_quantized(w_EDI):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False), w_EDI)
+    return lax.dynamic_index_in_dim(w_EDI, e, keepdims=False)
+
+
+def dense(w, dtype) -> jax.Array:
+    """An expert array as it computes: a quantized one dequantized to `dtype` (inside the trace)."""
+    return w.dequantize(dtype) if is_quantized(w) else w
+
+
 def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, w_down_EID,
                    used_blocks: jax.Array | int | None = None) -> jax.Array:
     """Block b's rows through expert expert_B[b]'s SwiGLU: [B, R, D] -> [B, R, D]. Blocks from `used_blocks` on
@@ -76,16 +93,16 @@ def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, 
     if jax.default_backend() == "cpu" and not kernels.on_gpu():
         def block(b, out_BRD):
             x_RD, e = lax.dynamic_index_in_dim(x_BRD, b, keepdims=False), expert_B[b]
-            gate = x_RD @ lax.dynamic_index_in_dim(w_gate_EDI, e, keepdims=False)
-            up = x_RD @ lax.dynamic_index_in_dim(w_up_EDI, e, keepdims=False)
-            y_RD = (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down_EID, e, keepdims=False)
+            gate = x_RD @ expert(w_gate_EDI, e)  # a QuantizedWeight dequantizes in x @ w
+            up = x_RD @ expert(w_up_EDI, e)
+            y_RD = (jax.nn.silu(gate) * up) @ expert(w_down_EID, e)
             return lax.dynamic_update_index_in_dim(out_BRD, y_RD.astype(out_BRD.dtype), b, 0)
 
         used = x_BRD.shape[0] if used_blocks is None else used_blocks
         return lax.fori_loop(0, used, block, jnp.zeros_like(x_BRD))
-    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, w_gate_EDI[expert_B])) * \
-        jnp.einsum("brd,bdi->bri", x_BRD, w_up_EDI[expert_B])
-    return jnp.einsum("bri,bid->brd", hidden_BRI, w_down_EID[expert_B])
+    gate_BDI, up_BDI, down_BID = (dense(w[expert_B], x_BRD.dtype) for w in (w_gate_EDI, w_up_EDI, w_down_EID))
+    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, gate_BDI)) * jnp.einsum("brd,bdi->bri", x_BRD, up_BDI)
+    return jnp.einsum("bri,bid->brd", hidden_BRI, down_BID)
 
 
 def gather_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
@@ -150,7 +167,9 @@ def expert_parallel_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, 
     The tokens are whole on every device of a replica, as every activation is under tensor parallelism, so no
     token moves; the rows split over "data" as the batch does."""
     rows = split(x_ND.shape[0], "data", mesh)
-    tokens, experts = P(rows, None), P("model", None, None)
+    tokens = P(rows, None)
+    experts = [jax.tree.map(lambda a: P("model", *[None] * (a.ndim - 1)), w)  # a quantized one's parts alike
+               for w in (w_gate_EDI, w_up_EDI, w_down_EID)]
 
     def local(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID):
         first = lax.axis_index("model") * w_gate_EDI.shape[0]
@@ -160,7 +179,7 @@ def expert_parallel_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, 
                               kept_NK)
         return lax.psum(y_ND, "model")
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, *experts),
                          out_specs=tokens)(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID)
 
 
@@ -172,6 +191,7 @@ def ragged_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     token_S = order_S // k
     sizes_E = jnp.bincount(flat_S, length=w_gate_EDI.shape[0]).astype(jnp.int32)
     x_SD = x_ND[token_S]
+    w_gate_EDI, w_up_EDI, w_down_EID = (dense(w, x_SD.dtype) for w in (w_gate_EDI, w_up_EDI, w_down_EID))
     hidden_SI = jax.nn.silu(lax.ragged_dot(x_SD, w_gate_EDI, sizes_E)) * lax.ragged_dot(x_SD, w_up_EDI, sizes_E)
     out_SD = lax.ragged_dot(hidden_SI, w_down_EID, sizes_E) * weights_NK.reshape(-1)[order_S][:, None]
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[token_S].add(out_SD)
