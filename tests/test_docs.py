@@ -70,8 +70,9 @@ def test_every_public_name_has_a_docstring_and_a_reference_entry():
     api = (ROOT / "docs" / "api.md").read_text()
     missing_ref = [n for n in specjax.__all__ if f"::: specjax.{n}\n" not in api]
     assert not missing_ref, f"docs/api.md lacks `::: specjax.NAME` for {missing_ref}"
+    # A dataclass without a docstring gets its signature as __doc__: that is not documentation.
     undocumented = [n for n in specjax.__all__ if n != "__version__"
-                    and not (inspect.getdoc(getattr(specjax, n)) or "").strip()]
+                    and (not (doc := (inspect.getdoc(getattr(specjax, n)) or "").strip()) or doc.startswith(f"{n}("))]
     assert not undocumented, f"public names without a docstring: {undocumented}"
 
 

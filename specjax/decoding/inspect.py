@@ -30,6 +30,16 @@ from specjax.multihost import to_host
 
 @dataclasses.dataclass
 class DraftInspection:
+    """What a drafter proposes in the first round for one prompt, as `specjax.inspect_draft` returns it.
+
+    Attributes:
+        root: the target's greedy first token: node 0 of the draft.
+        tokens: int [N - 1], the drafted tokens in node order (a chain: in sequence order).
+        logits: float32 [N - 1, V], what each draft was chosen from; None for model-free drafters (n-gram).
+        confidence: float32 [N - 1], P(accept | prefix accepted), for drafters that estimate it (DSpark); else None.
+        tree_tokens: int [N], the whole tree's tokens, root first.
+        tree_parents: int [N], each node's parent index, -1 for the root.
+    """
     root: int  # the target's greedy first token: node 0 of the draft
     tokens: np.ndarray  # int [N - 1]: the drafted tokens in node order (a chain: in sequence order)
     logits: np.ndarray | None  # float32 [N - 1, V]: what each was chosen from; None for model-free drafters
