@@ -88,7 +88,30 @@ def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_
 
 def inspect_draft(target: Target, drafter: Drafter, prompt: str | Sequence[int], *, num_draft_tokens: int | None = None,
                   tree=None, seed: int = 0) -> DraftInspection:
-    """The first round's draft for one prompt (greedy root and greedy drafting): see DraftInspection."""
+    """The first round's draft for one prompt (greedy root and greedy drafting).
+
+    Args:
+        target: the model, from `specjax.load`.
+        drafter: any drafter (`specjax.load_drafter`, `NgramDrafter`, ...).
+        prompt: a string (needs the target's tokenizer) or a list of token ids.
+        num_draft_tokens: a chain of K drafts (default 4).
+        tree: instead of num_draft_tokens, a tree shape as `generate` takes it ("kary:2,1", choice paths,
+            "dynamic:...").
+        seed: the round's random seed.
+
+    Returns:
+        A `DraftInspection`: the root, the drafted tokens, the logits each was chosen from, confidences, the tree.
+
+    Raises:
+        ValueError: both num_draft_tokens and tree.
+        TypeError: a prompt that is neither a string nor a list of token ids.
+
+    Example:
+        ```python
+        d = specjax.inspect_draft(target, drafter, "def f(x):", num_draft_tokens=4)
+        d.tokens, d.logits.shape          # the drafts, and [K, V]
+        ```
+    """
     if num_draft_tokens is not None and tree is not None:
         raise ValueError("pass either num_draft_tokens (a chain) or tree, not both")
     if not isinstance(prompt, str) and (not isinstance(prompt, Sequence) or any(not isinstance(t, (int, np.integer))
