@@ -7,8 +7,11 @@ needs a GPU, a download or minutes carries `<!-- readme-test: skip (why) -->` on
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
+import json
+import os
 import pathlib
 import re
 import shlex
@@ -37,8 +40,8 @@ def _api_paths() -> dict[str, str]:
     api = (ROOT / "docs" / "api.md").read_text()
     paths = {}
     for path in re.findall(r"^::: (specjax[\w.]*)$", api, re.M):
-        name = path.rsplit(".", 1)[-1]
-        if path == f"specjax.{name}" or getattr(specjax, name, None) is not None and path.endswith(f".{name}"):
+        module, name = path.rsplit(".", 1)
+        if name in specjax.__all__ and getattr(importlib.import_module(module), name, None) is getattr(specjax, name):
             paths[name] = path
     return paths
 
@@ -98,7 +101,7 @@ def test_benchmarks_page_is_rendered_from_the_records():
     assert tables.PAGE.read_text() == tables.render_page(), (
         "docs/benchmarks.md is out of date: run python scripts/records_tables.py")
     for path in tables.TABLES.glob("*.json"):
-        rec = __import__("json").loads(path.read_text())
+        rec = json.loads(path.read_text())
         for key in ("title", "command", "machine", "date", "commit", "source"):
             assert rec.get(key), f"{path.name} lacks {key!r}"
 
@@ -108,8 +111,7 @@ def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocstrings_handlers.python")
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"),
            "-d", str(tmp_path / "site")]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ,
-                                                                             "NO_MKDOCS_2_WARNING": "1"})
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert run.returncode == 0, f"{shlex.join(cmd)} failed:\n{run.stdout}\n{run.stderr}"
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name, path in _api_paths().items():
