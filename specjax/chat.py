@@ -75,12 +75,31 @@ def render_prompts(target: Target, prompts: Sequence, chat_template_kwargs: dict
 
 def apply_chat_template(target: Target, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                         tokenize: bool = True, **template_kwargs) -> list[int] | str:
-    """The prompt ids of a conversation: the checkpoint's chat template rendered, tokenised without special tokens
-    (tokenize=False: the rendered text, as `chat_text` gives it).
+    """The prompt ids of a conversation: the checkpoint's chat template rendered, tokenised without special tokens.
 
     Equal to transformers' `AutoTokenizer.from_pretrained(dir).apply_chat_template(messages, add_generation_prompt=
-    True, tokenize=tokenize)`. template_kwargs are template variables (Qwen3's enable_thinking=False, Llama 3.1's
-    date_string, tools=[JSON schemas], documents=[...]).
+    True, tokenize=tokenize)`.
+
+    Args:
+        target: a `Target` loaded from a directory with a chat template and tokenizer.json.
+        messages: a non-empty list of {"role": ..., "content": ...} dicts.
+        add_generation_prompt: end with the template's assistant header, so the model answers.
+        tokenize: False gives the rendered text instead, as `chat_text` does.
+        **template_kwargs: template variables (Qwen3's enable_thinking=False, Llama 3.1's date_string,
+            tools=[JSON schemas], documents=[...]).
+
+    Returns:
+        The prompt's token ids (tokenize=True) or its text.
+
+    Raises:
+        ValueError: no chat template or tokenizer, a malformed conversation, or the template's own error
+            (`raise_exception`'s message).
+        TypeError: a target that is not a `Target`, or a tokenize that is not a bool.
+
+    Example:
+        ```python
+        ids = specjax.apply_chat_template(target, [{"role": "user", "content": "What is XLA?"}], enable_thinking=False)
+        ```
     """
     if not isinstance(tokenize, bool):
         raise TypeError(f"tokenize must be True (prompt ids) or False (the rendered text), got {tokenize!r}")
@@ -90,7 +109,21 @@ def apply_chat_template(target: Target, messages: Sequence[Mapping], add_generat
 
 def chat_text(target: Target, messages: Sequence[Mapping], add_generation_prompt: bool = True,
               **template_kwargs) -> str:
-    """The rendered conversation as text (transformers' apply_chat_template with tokenize=False)."""
+    """The rendered conversation as text (transformers' apply_chat_template with tokenize=False).
+
+    Args:
+        target: as `apply_chat_template`'s.
+        messages: as `apply_chat_template`'s.
+        add_generation_prompt: as `apply_chat_template`'s.
+        **template_kwargs: template variables, as `apply_chat_template`'s.
+
+    Returns:
+        The text the template renders.
+
+    Raises:
+        ValueError: as `apply_chat_template`.
+        TypeError: a target that is not a `Target`.
+    """
     directory = _template_directory(target)
     messages = checked_messages(messages)
     tools, documents = template_kwargs.pop("tools", None), template_kwargs.pop("documents", None)

@@ -46,42 +46,66 @@ def generate(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempe
     """Continue each prompt; greedy when temperature is 0. With a drafter, decode speculatively: the output is the
     same as without one (token for token when greedy, the same distribution when sampling).
 
-    prompts: list of token-id lists (ragged), strings (needs the target's tokenizer), or chats (lists of
-      {"role", "content"} messages, rendered with the checkpoint's chat template).
-    temperature / top_k / top_p / min_p: one value for all prompts or a list of one per prompt (a batch may mix
-      greedy and sampled rows); values are data, so new ones reuse the compiled loop. Unset: the checkpoint's
-      generation_config.json as transformers applies it (do_sample true: its temperature, top_k, top_p, min_p,
-      transformers' defaults 1.0 / 50 / 1.0 for those it omits; otherwise greedy).
-    seed: an int (row b uses it folded with b), one int per prompt (a prompt then draws the
-      same tokens at any row of any batch), or None for fresh randomness (reported in
-      out.stats["seed"], pass it back to repeat the run).
-    num_draft_tokens / tree: the draft shape, one or the other (default: a chain of 4); only with a drafter.
-      "auto": the planner picks it for this batch (num_draft_tokens="auto": a chain or off; tree="auto":
-      a tree, a chain or off) from a short calibration run, cached per (target, drafter, batch bucket);
-      "off" (either) runs the plain loop. The choice is in out.stats["plan"].
-    eos_token_id: overrides the checkpoint's EOS ids; [] disables stopping on EOS.
-    max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
-    scheduler: "confidence" verifies, each round, only as much of each row's chain as pays off given the
-      drafter's confidences (Draft.confidence, e.g. DSpark's) and the device's verify cost, at the best of a
-      few compiled widths (specjax/decoding/scheduler.py); "prefix" uses DSpark's Algorithm 1 verbatim. Chains only
-      (num_draft_tokens=K). scheduler_profile: its cost curve: a Profile, a profile JSON path, "measure"
-      (time this target now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the
-      roofline). out.stats["scheduler"] says which was used.
+    Args:
+        target: the model, from `specjax.load`.
+        prompts: token-id lists (ragged), strings (needs the target's tokenizer), or chats (lists of
+            {"role", "content"} messages, rendered with the checkpoint's chat template).
+        max_new_tokens: the output budget of every row.
+        temperature: one value for all prompts or one per prompt (a batch may mix greedy and sampled rows); values are
+            data, so new ones reuse the compiled loop. Unset (with top_k, top_p, min_p): the checkpoint's
+            generation_config.json as transformers applies it (do_sample true: its temperature, top_k, top_p, min_p,
+            transformers' defaults 1.0 / 50 / 1.0 for those it omits; otherwise greedy).
+        top_k: as temperature, per prompt or one value.
+        top_p: as temperature, per prompt or one value.
+        seed: an int (row b uses it folded with b), one int per prompt (a prompt then draws the same tokens at any row
+            of any batch), or None for fresh randomness (reported in out.stats["seed"]; pass it back to repeat).
+        drafter: a drafter from `specjax.load_drafter`, `NgramDrafter` or `replay_drafter`; None decodes plainly.
+        num_draft_tokens: a chain of K drafts (default 4 with a drafter), "auto" (the planner picks a chain or off for
+            this batch from a short calibration run, cached per target, drafter and batch bucket) or "off".
+        tree: instead of num_draft_tokens: "chain:K", "kary:3,2,1", a list of choice paths, "dynamic:top_k=..,depth=..,
+            total_tokens=.." (EAGLE-2), a `TreeSpec`, "auto" (a tree, a chain or off) or "off". The choice made is in
+            out.stats["plan"].
+        eos_token_id: overrides the checkpoint's EOS ids; [] disables stopping on EOS.
+        max_len: a limit on prompt + output (+ one draft); the cache is this rounded up to a multiple of 128.
+        scheduler: "confidence" verifies, each round, only as much of each row's chain as pays off given the drafter's
+            confidences (DSpark's) and the device's verify cost, at the best of a few compiled widths; "prefix" uses
+            DSpark's Algorithm 1 verbatim. Chains only (num_draft_tokens=K).
+        scheduler_profile: the scheduler's cost curve: a Profile, a profile JSON path, "measure" (time this target
+            now), "roofline", or None ($SPECJAX_PROFILE if it holds this model, else the roofline).
+            out.stats["scheduler"] says which was used.
+        min_p: as temperature, per prompt or one value (vLLM's meaning).
+        stop: strings matched on the decoded text: the output ends before the first one; one list for all prompts or
+            one per prompt.
+        stop_token_ids: token ids that stop a row, beyond EOS.
+        include_stop_str_in_output: keep the stop string that ended a row in its text.
+        skip_special_tokens: leave special tokens out of out.texts.
+        logprobs: fill out.logprobs, each token's raw log-probability (log-softmax of the target's logits).
+        top_logprobs: fill out.top_logprobs with the n most likely (id, logprob) at each position (n at most
+            MAX_TOP_LOGPROBS = 20, vLLM's cap).
+        repetition_penalty: vLLM's (over prompt and output); unset: generation_config.json's, else 1.
+        presence_penalty: vLLM's (over the output), per prompt or one value.
+        frequency_penalty: vLLM's (over the output), per prompt or one value.
+        min_tokens: EOS and stop tokens are kept out until a row has this many tokens.
+        chat_template_kwargs: template variables for chat prompts, e.g. {"enable_thinking": False}.
+        sampling_params: a `specjax.SamplingParams` holding these settings (vLLM's names), beside or instead of the
+            keywords; a setting given both ways must agree.
+        max_tokens: vLLM's name for max_new_tokens.
 
-    Keyword-only options (vLLM's meanings):
-      min_p; stop (strings matched on the decoded text: the output ends before the first one,
-      include_stop_str_in_output=True keeps it; one list for all prompts or one per prompt); stop_token_ids
-      (beyond EOS); skip_special_tokens (True: not
-      in out.texts); logprobs=True (out.logprobs: each token's raw log-probability, log-softmax of the target's
-      logits) and top_logprobs=n (out.top_logprobs: the n most likely (id, logprob) at each position, n at most
-      MAX_TOP_LOGPROBS = 20, vLLM's cap);
-      repetition_penalty (unset: generation_config.json's, else 1), presence_penalty, frequency_penalty,
-      min_tokens (per prompt or one value); chat_template_kwargs (template variables for chat prompts, e.g.
-      {"enable_thinking": False}). out.finish_reasons[i] is "stop" or "length".
-    sampling_params: a specjax.SamplingParams holding these settings (vLLM's names; max_tokens is max_new_tokens),
-      beside or instead of the keywords; a setting given both ways must agree. Every value is checked before anything
-      runs (specjax/decoding/params.py): NaN, inf, out-of-range or mistyped settings are refused by name. Arrays
-      (NumPy, JAX) are accepted wherever a list is.
+    Returns:
+        A `GenerateOutput`: tokens and texts per prompt, finish_reasons ("stop" or "length"), stop_reasons, logprobs
+        when asked, and stats (acceptance_length, tokens_per_s, compile_s, plan, ...).
+
+    Raises:
+        ValueError: a setting out of range, NaN or inf, a draft shape without a drafter, a prompt the target cannot
+            take; each names the argument and what would be right. Checked before anything compiles.
+        TypeError: a mistyped argument (a float max_new_tokens, a path where a drafter is expected).
+
+    Example:
+        ```python
+        out = specjax.generate(target, ["def f(x):"], max_new_tokens=64, drafter=drafter, num_draft_tokens=4,
+                               temperature=[0.7], stop=["\\n\\n"], logprobs=True)
+        print(out.texts[0], out.stats["acceptance_length"])
+        ```
     """
     return _resolve(**locals()).generate()
 
@@ -94,12 +118,25 @@ def stream(target: Target, prompts: Sequence, max_new_tokens: int = 128, tempera
            skip_special_tokens: bool = True, logprobs: bool = False, top_logprobs: int = 0, repetition_penalty=None,
            presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, chat_template_kwargs: dict | None = None,
            sampling_params: SamplingParams | None = None, max_tokens: int | None = None) -> Iterator[StreamChunk]:
-    """`generate`, yielding each prompt's new tokens as the loop produces them (a StreamChunk per prompt with new
-    output: .index, .token_ids, .text, with logprobs=True .logprobs and .top_logprobs of those tokens, and
-    .finish_reason and .stop_reason on its last chunk). The chunks of a prompt concatenate to what generate
-    returns for it, with or without a drafter. The arguments are checked at the call, before the first chunk is
-    asked for. The loop runs in chunks of steps that grow until each takes CHUNK_TARGET_S (stream.py), so the
-    first tokens come at once and long runs pay little."""
+    """`generate`, yielding each prompt's new output as the loop produces it.
+
+    The chunks of a prompt concatenate to what generate returns for it, with or without a drafter. The loop runs in
+    chunks of steps that grow until each takes CHUNK_TARGET_S (stream.py), so the first tokens come at once and long
+    runs pay little.
+
+    Args:
+        target: the model, from `specjax.load`.
+        prompts: as `generate`'s.
+        max_new_tokens: as `generate`'s; every other argument too.
+
+    Yields:
+        A `StreamChunk` per prompt with new output: .index, .token_ids, .text, with logprobs=True .logprobs and
+        .top_logprobs of those tokens, and .finish_reason and .stop_reason on its last chunk.
+
+    Raises:
+        ValueError: as `generate`; the arguments are checked at the call, before the first chunk is asked for.
+        TypeError: as `generate`.
+    """
     return _resolve(**locals()).stream()
 
 

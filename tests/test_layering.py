@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "specjax"
 # Each concept's rank: a module may import its own concept and lower ranks only. One name a folder
-# (or a top-level module); the README's layout section and docs/architecture.md describe each.
+# (or a top-level module); the layout in docs/design.md and docs/architecture.md describe each.
 RANKS = {
     "config": 0, "compile_cache": 0, "kernels": 0,
     "multihost": 0,   # what crosses processes in a jax.distributed job (results, agreed decisions, moves)
@@ -112,5 +112,6 @@ def test_architecture_document_exists_and_is_linked():
         assert topic in text, topic
     readme = (ROOT / "README.md").read_text()
     assert "docs/architecture.md" in readme
+    layout = (ROOT / "docs" / "design.md").read_text()  # the package layout, one line a folder
     for folder in ("models", "decoding", "drafters", "convert", "loading", "planning", "bench", "train"):
-        assert f"specjax/{folder}/" in readme and f"{folder}/" in text, folder
+        assert f"specjax/{folder}/" in layout and f"{folder}/" in text, folder

@@ -89,8 +89,9 @@ def test_the_targets_own_dir_is_not_a_draft_model(target):
     assert type(specjax.load_drafter(specjax.embedded("mtp"), target)).__name__ == "MtpDrafter"
 
 
-def test_readme_documents_every_shipped_model():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_docs_document_every_shipped_model():
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text() + (root / "docs" / "loading.md").read_text()  # "The embedded models"
     for name in EMBEDDED_NAMES:
         assert f"checkpoints/tiny/{name}" in readme or f'"{name}"' in readme, name
 

@@ -305,13 +305,13 @@ def test_the_allreduce_benchmark_runs_on_two_host_devices(tmp_path):
     assert all(r["measured_s"] > 0 and r["model_s"] is None for r in rows)  # the CPU has no link to model
 
 
-def test_the_readmes_memory_table_is_what_the_command_prints(capsys):
-    """README's multi-device table is `specjax plan --memory --batch 32 --context 8192`, row for row."""
+def test_the_docs_memory_table_is_what_the_command_prints(capsys):
+    """docs/planning.md's multi-device memory table is `specjax plan --memory --batch 32 --context 8192`, row for row."""
     from pathlib import Path
 
     from specjax.cli import main
 
     assert main(["plan", "--memory", "--batch", "32", "--context", "8192"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
     assert len(rows) == 7 and all(row in readme for row in rows)

@@ -30,6 +30,16 @@ from specjax.multihost import to_host
 
 @dataclasses.dataclass
 class DraftInspection:
+    """What a drafter proposes in the first round for one prompt, as `specjax.inspect_draft` returns it.
+
+    Attributes:
+        root: the target's greedy first token: node 0 of the draft.
+        tokens: int [N - 1], the drafted tokens in node order (a chain: in sequence order).
+        logits: float32 [N - 1, V], what each draft was chosen from; None for model-free drafters (n-gram).
+        confidence: float32 [N - 1], P(accept | prefix accepted), for drafters that estimate it (DSpark); else None.
+        tree_tokens: int [N], the whole tree's tokens, root first.
+        tree_parents: int [N], each node's parent index, -1 for the root.
+    """
     root: int  # the target's greedy first token: node 0 of the draft
     tokens: np.ndarray  # int [N - 1]: the drafted tokens in node order (a chain: in sequence order)
     logits: np.ndarray | None  # float32 [N - 1, V]: what each was chosen from; None for model-free drafters
@@ -78,7 +88,30 @@ def first_draft(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_
 
 def inspect_draft(target: Target, drafter: Drafter, prompt: str | Sequence[int], *, num_draft_tokens: int | None = None,
                   tree=None, seed: int = 0) -> DraftInspection:
-    """The first round's draft for one prompt (greedy root and greedy drafting): see DraftInspection."""
+    """The first round's draft for one prompt (greedy root and greedy drafting).
+
+    Args:
+        target: the model, from `specjax.load`.
+        drafter: any drafter (`specjax.load_drafter`, `NgramDrafter`, ...).
+        prompt: a string (needs the target's tokenizer) or a list of token ids.
+        num_draft_tokens: a chain of K drafts (default 4).
+        tree: instead of num_draft_tokens, a tree shape as `generate` takes it ("kary:2,1", choice paths,
+            "dynamic:...").
+        seed: the round's random seed.
+
+    Returns:
+        A `DraftInspection`: the root, the drafted tokens, the logits each was chosen from, confidences, the tree.
+
+    Raises:
+        ValueError: both num_draft_tokens and tree.
+        TypeError: a prompt that is neither a string nor a list of token ids.
+
+    Example:
+        ```python
+        d = specjax.inspect_draft(target, drafter, "def f(x):", num_draft_tokens=4)
+        d.tokens, d.logits.shape          # the drafts, and [K, V]
+        ```
+    """
     if num_draft_tokens is not None and tree is not None:
         raise ValueError("pass either num_draft_tokens (a chain) or tree, not both")
     if not isinstance(prompt, str) and (not isinstance(prompt, Sequence) or any(not isinstance(t, (int, np.integer))

@@ -27,9 +27,38 @@ FLAGS = ("include_stop_str_in_output", "skip_special_tokens", "logprobs")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to continue a prompt, with vLLM's names and meanings (None: the checkpoint's generation_config.json as
-    transformers applies it, see `specjax.generate`). Each per-prompt setting (PER_PROMPT) is one value for all
-    prompts or a list (or 1-d array) of one per prompt; so is `stop` (a list of stop-string lists)."""
+    """How to continue a prompt, with vLLM's names and meanings; pass it as `generate(..., sampling_params=...)`.
+
+    None means the checkpoint's generation_config.json as transformers applies it (see `specjax.generate`). Each
+    per-prompt setting (PER_PROMPT) is one value for all prompts or a list (or 1-d array) of one per prompt; so is
+    `stop` (a list of stop-string lists). Checked by `validate`, which names the first bad setting.
+
+    Attributes:
+        max_new_tokens: the output budget of every row.
+        temperature: 0 is greedy.
+        top_k: 0 is off.
+        top_p: 1 is off.
+        min_p: 0 is off.
+        seed: an int, one per prompt, or None (fresh, reported back in the output's stats).
+        stop: stop strings, matched on the decoded text.
+        stop_token_ids: stop tokens beyond EOS.
+        eos_token_id: overrides the checkpoint's EOS ids; [] disables them.
+        include_stop_str_in_output: keep the stop string that ended a row in its text.
+        skip_special_tokens: leave special tokens out of the text.
+        logprobs: report each emitted token's raw log-probability.
+        top_logprobs: also the n most likely (id, logprob) at each position, n <= MAX_TOP_LOGPROBS.
+        repetition_penalty: 1 is off (over prompt and output).
+        presence_penalty: 0 is off (over the output).
+        frequency_penalty: 0 is off (over the output).
+        min_tokens: EOS and stop tokens are held back until a row has this many.
+        max_tokens: vLLM's name for max_new_tokens: give either.
+
+    Example:
+        ```python
+        params = specjax.SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
+        out = specjax.generate(target, prompts, sampling_params=params)
+        ```
+    """
 
     max_new_tokens: int = 128
     temperature: Any = None  # 0: greedy

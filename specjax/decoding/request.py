@@ -34,6 +34,21 @@ MAX_SEED = 2**32 - 1
 
 @dataclasses.dataclass
 class GenerateOutput:
+    """What `specjax.generate` returns: per prompt, the new tokens and text, why each row stopped, and statistics.
+
+    `print(out)` is one line (rows, tokens, tau, tokens/s, compile time, plan); a notebook shows a table of the rows.
+
+    Attributes:
+        tokens: generated ids per prompt, prompt excluded, EOS included when a row hit one.
+        stats: acceptance_length (tau), per_position_acceptance, tokens_per_s, compile_s, decode_s, seed, plan, ...
+        texts: decoded text per prompt (without the EOS) when the target has a tokenizer; else None.
+        token_rounds: speculative only: the round that emitted each token (0 = prefill).
+        spec_stats: speculative only: the loop's SpecStats pytree (numpy), per row and per depth.
+        finish_reasons: per row, "stop" (EOS, a stop token or a stop string) or "length".
+        stop_reasons: per row, the stop string or token id that ended it; None for "length".
+        logprobs: with logprobs=True, each token's raw log-probability (log-softmax of the target's logits).
+        top_logprobs: with top_logprobs=n, the n most likely (token id, logprob) at each position.
+    """
     tokens: list[list[int]]  # generated ids per prompt, prompt excluded, EOS included when hit
     stats: dict[str, Any]
     texts: list[str] | None = None  # decoded text when the target has a tokenizer

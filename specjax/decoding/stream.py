@@ -34,9 +34,17 @@ MAX_CHUNK_STEPS = 256
 
 @dataclasses.dataclass
 class StreamChunk:
-    """New output of one prompt: its token ids and text since the last chunk; finish_reason and stop_reason on its
-    last chunk. With logprobs, each new token's log-probability and (top_logprobs=n) its n most likely (id,
-    logprob) pairs, as GenerateOutput.logprobs / .top_logprobs hold them per token."""
+    """New output of one prompt since its last chunk, as `specjax.stream` (and an engine handle) yields it.
+
+    Attributes:
+        index: the prompt's position in the call's prompts.
+        token_ids: the new token ids.
+        text: the new text (held back at the end while it could begin a stop string); None without a tokenizer.
+        finish_reason: on the prompt's last chunk, "stop" (EOS, a stop token or a stop string) or "length".
+        logprobs: with logprobs=True, each new token's raw log-probability, as GenerateOutput.logprobs holds them.
+        top_logprobs: with top_logprobs=n, each new token's n most likely (id, logprob) pairs.
+        stop_reason: on the last chunk, the stop string or token id that ended the row (vLLM's); None for "length".
+    """
 
     index: int
     token_ids: list[int]

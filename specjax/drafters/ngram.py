@@ -20,6 +20,17 @@ from specjax.decoding.verify import Draft, Verdict
 
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
+    """Prompt lookup: the row's last n tokens (ending with the root) are looked up in its prompt + output, and the
+    most recent earlier occurrence's continuation is the draft; the longest n in [min_n, max_n] with a match wins,
+    and a row with no match drafts nothing. No network and next to no drafting cost; chains only.
+
+    Args:
+        min_n: the shortest suffix it matches (>= 1).
+        max_n: the longest suffix it matches (>= min_n).
+
+    Raises:
+        ValueError: when not 1 <= min_n <= max_n.
+    """
     min_n: int = 1
     max_n: int = 3
     params: Any = dataclasses.field(default=None, compare=False, repr=False)

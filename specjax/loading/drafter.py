@@ -66,7 +66,7 @@ def drafter_family(path: str | Path) -> str:
 
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None,
                  rope_theta: float | None = None) -> Drafter:
-    """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
+    """Load a drafter checkpoint for `target`, detecting its family from config.json, refusing one that does not fit.
 
     - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
       becomes a `DSparkDrafter` with its own embedding and lm_head copies; hidden size, vocabulary, block,
@@ -84,10 +84,29 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
 
-    rope_theta overrides the RoPE base a head's own config gives (EAGLE-3, DFlash, DSpark): for a head trained
-    at another base than its config says, e.g. SpecForge's Qwen3 heads trained before its RoPE fix of 2025-10-30
-    (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers and draft
-    models have no head config of their own to override: refused there.
+    Args:
+        path: the drafter's directory (or the target's own, for its MTP layers).
+        target: the `Target` it drafts for (from `specjax.load`); the drafter follows its mesh.
+        attn_impl: the drafter's attention ("xla", "pallas", "auto"); default the target's.
+        mtp: True takes a directory's MTP layers, False loads it as a draft model; None decides from the checkpoint.
+        rope_theta: overrides the RoPE base a head's own config gives (EAGLE-3, DFlash, DSpark): for a head trained
+            at another base than its config says, e.g. SpecForge's Qwen3 heads trained before its RoPE fix of
+            2025-10-30 (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers
+            and draft models have no head config of their own to override: refused there.
+
+    Returns:
+        A drafter for `specjax.generate(..., drafter=...)`, `stream`, `inspect_draft` and the engine.
+
+    Raises:
+        TypeError: `target` is not a specjax Target.
+        ValueError: a drafter that does not fit the target (hidden size, vocabulary, tokenizer, d2t, tap layers,
+            block size, mask token; both sides named), an unknown or refused layout, or rope_theta where it has no
+            meaning.
+
+    Example:
+        ```python
+        drafter = specjax.load_drafter(specjax.embedded("eagle3"), target)
+        ```
     """
     if not isinstance(target, Target):
         raise TypeError(f"load_drafter's second argument is the target the drafter serves, a specjax Target "

@@ -22,9 +22,18 @@ EMBEDDED_DIR = _embedded_dir()
 
 
 def embedded(name: str = "target") -> Path:
-    """The directory of a shipped tiny model: "target" (the 3.95M-parameter code model), or a drafter trained for
-    it: "draft" (a draft model), "eagle3", "mtp", "dflash", "dspark"; or "hybrid" (a Qwen3.5-style target carrying its
-    own MTP layer). Pass it to specjax.load / load_drafter."""
+    """The directory of a shipped tiny model, wherever specjax is installed.
+
+    Args:
+        name: "target" (the 3.95M-parameter code model), or a drafter trained for it: "draft" (a draft model),
+            "eagle3", "mtp", "dflash", "dspark"; or "hybrid" (a Qwen3.5-style target carrying its own MTP layer).
+
+    Returns:
+        The model's directory: pass it to `specjax.load` / `specjax.load_drafter`.
+
+    Raises:
+        ValueError: an unknown name (the shipped ones are listed).
+    """
     if name not in EMBEDDED_NAMES:
         raise ValueError(f"no embedded model {name!r}; the shipped ones are {', '.join(EMBEDDED_NAMES)}")
     path = EMBEDDED_DIR / name

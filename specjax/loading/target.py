@@ -40,16 +40,33 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
          tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False) -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
-    dtype ("float32" | "bfloat16" | "float16") overrides the stored dtype.
-    attn_impl: "xla", "pallas" or "auto" (Pallas on GPU, XLA elsewhere).
-    layout: "auto", "stacked" or "per_layer" (see serving_layout).
-    mesh: a jax.sharding.Mesh with axes ("data", "model"): the weights split over "model" by
-    models/sharding.py's rules, the batch over "data"; each device reads only its slice of every weight.
-    tensor_parallel=n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
-    rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
     A quantized checkpoint (block FP8, compressed-tensors, AWQ, GPTQ: convert/quantized.py) keeps its weights
-    quantized on the device, dequantized inside each matmul in `dtype`; dequantize=True (the exact mode)
-    dequantizes them to `dtype` once, here, instead.
+    quantized on the device, dequantized inside each matmul in `dtype`.
+
+    Args:
+        path: a directory written by `specjax convert`, or a Hugging Face model directory (safetensors).
+        dtype: "float32", "bfloat16" or "float16": overrides the stored dtype.
+        attn_impl: "xla", "pallas" or "auto" (Pallas on GPU, XLA elsewhere).
+        layout: "auto", "stacked" or "per_layer" (see serving_layout).
+        mesh: a jax.sharding.Mesh with axes ("data", "model"): the weights split over "model" by models/sharding.py's
+            rules, the batch over "data"; each device reads only its slice of every weight.
+        tensor_parallel: n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
+        rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
+        dequantize: for a quantized checkpoint, dequantize the weights to `dtype` once, here (the exact mode).
+
+    Returns:
+        A `Target`.
+
+    Raises:
+        ValueError: an architecture or config field specjax does not implement (named), a tensor the config does not
+            account for, a bad dtype / attn_impl / layout, or a mesh that does not fit.
+        FileNotFoundError: no checkpoint at `path`.
+
+    Example:
+        ```python
+        target = specjax.load(specjax.embedded("target"))
+        target = specjax.load("ckpt/llama-3.1-8b", tensor_parallel=8)
+        ```
     """
     path = Path(path)
     if not path.exists():
@@ -142,6 +159,21 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
     MTP layers in the checkpoint are kept (params["mtp"] in the orbax tree, see convert/mtp.py). A quantized
     checkpoint is written dequantized to `dtype`: `specjax.load` of the Hugging Face directory itself keeps it
     quantized (docs/quantization.md).
+
+    Args:
+        src: the Hugging Face model directory (config.json, safetensors, tokenizer files).
+        dst: the directory to write; written into a temporary directory renamed into place at the end.
+        dtype: "float32", "bfloat16" or "float16"; default the stored dtype.
+        overwrite: replace an existing `dst` (the old one stays intact until the new one is complete).
+
+    Returns:
+        The path of the written checkpoint.
+
+    Raises:
+        ValueError: an architecture, config field or tensor specjax does not implement, named; `src` already a
+            specjax checkpoint.
+        FileExistsError: `dst` exists and overwrite is False.
+        FileNotFoundError: `src` missing, or its config.json or a safetensors shard.
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():

@@ -19,6 +19,25 @@ from specjax.quant.qarray import quantized_formats
 
 @dataclasses.dataclass(eq=False)
 class Target:
+    """A loaded target model: its parameters, config and tokenizer, and the executables compiled for it.
+
+    Made by `specjax.load`; `print(target)` gives one line (family, parameters, dtype, vocabulary, layers, layout).
+    `target.model` is the target as a Flax NNX module over the same arrays; `target.encode` / `target.decode` are
+    the checkpoint's tokenizer.
+
+    Attributes:
+        params: the weights as a plain dict of arrays (what crosses the jit boundary).
+        cfg: the decoder's ModelConfig, read from config.json.
+        hf_config: config.json as published.
+        tokenizer: the checkpoint's tokenizer (tokenizer.json), or None.
+        path: the directory it was loaded from.
+        attn_impl: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "pallas" or "xla".
+        layout: "auto", "stacked" (layers under lax.scan) or "per_layer".
+        mtp: the checkpoint's MTP layers, for `specjax.load_drafter(target_dir, target)`; never run by the target.
+        generation_config: generation_config.json (sampling defaults, EOS ids).
+        mesh: the ("data", "model") mesh the params are split over; None on one device.
+        rules: the sharding rules that split them; drafters follow them.
+    """
     params: dict
     cfg: ModelConfig
     hf_config: dict
