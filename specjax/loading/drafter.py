@@ -65,7 +65,7 @@ def drafter_family(path: str | Path) -> str:
 
 
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None,
-                 rope_theta: float | None = None) -> Drafter:
+                 rope_theta: float | None = None, norm_output: bool | None = None) -> Drafter:
     """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
     - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
@@ -88,6 +88,11 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     at another base than its config says, e.g. SpecForge's Qwen3 heads trained before its RoPE fix of 2025-10-30
     (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers and draft
     models have no head config of their own to override: refused there.
+
+    norm_output says how to read an EAGLE-3.1 head's `norm_output` (True: the final norm's output is fed back, as
+    vLLM, SGLang and SpecForge since its PR #879 mean it; False: plain EAGLE-3); required for a SpecForge
+    (`midlayer.*`) head whose config sets it, whose meaning changed across SpecForge versions
+    (convert/eagle3_layouts.py); EAGLE-3 heads only.
     """
     if not isinstance(target, Target):
         raise TypeError(f"load_drafter's second argument is the target the drafter serves, a specjax Target "
@@ -98,12 +103,14 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             "a draft model is a whole model: correct the rope_theta in its own config.json"
         raise ValueError(f"rope_theta= overrides the RoPE base of an EAGLE-3, DFlash or DSpark head's own config; "
                          f"{path} is a {family} drafter ({what})")
+    if norm_output is not None and family != "eagle3":
+        raise ValueError(f"norm_output= says how an EAGLE-3.1 head's config is read; {path} is a {family} drafter")
     if family == "dspark":
         return dspark_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "dflash":
         return dflash_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "eagle3":
-        return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
+        return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta, norm_output=norm_output)
     if family == "mtp":
         if mtp is False:
             raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
@@ -153,14 +160,15 @@ def _same_model(model, target) -> bool:
 
 
 def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
-                   rope_theta: float | None = None) -> Eagle3Drafter:
+                   rope_theta: float | None = None, norm_output: bool | None = None) -> Eagle3Drafter:
     """An Eagle3Drafter from an EAGLE-3 head directory (any producer's layout), checked against `target`.
 
     Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy); a head
     without an lm_head of its own (ModelOpt) scores with the target's lm_head (or its tied embedding).
     """
 
-    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta)
+    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta,
+                            norm_output=norm_output)
     params = head_params(host, target)
     params.setdefault("embed", target.params["embed"])
     if cfg.lm_head == "target":
