@@ -128,3 +128,18 @@ def test_export_writes_the_flags_and_norms_back(case, tmp_path):
     cfg2, host2 = load_eagle3(dst, target_config())
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, host, host2)
+
+
+def test_a_repository_of_compressed_and_full_heads_names_them(target, tmp_path):  # noqa: F811
+    """EAGLE-3 heads published as `compressed/` (a reduced draft vocabulary with d2t) beside `full/`: the root is
+    refused naming both, each subdirectory loads."""
+    import shutil
+
+    shutil.copytree(FIXTURES / "speculators_llama", tmp_path / "compressed")  # draft vocabulary 64 of 128, d2t
+    shutil.copytree(FIXTURES / "speculators_qwen3", tmp_path / "full")
+    with pytest.raises(ValueError, match=r"holds no config.json but 2 drafter variants in subdirectories: "
+                                         r"compressed/ \(a draft vocabulary of 64 tokens \(d2t\)\), full/ \(the "
+                                         r"whole vocabulary\); load one of them"):
+        specjax.load_drafter(tmp_path, target)
+    assert specjax.load_drafter(tmp_path / "compressed", target).cfg.draft_vocab_size == 64
+    assert specjax.load_drafter(tmp_path / "full", target).cfg.draft_vocab_size == 128

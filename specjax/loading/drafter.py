@@ -51,6 +51,7 @@ def drafter_family(path: str | Path) -> str:
     """
     config = Path(path) / "config.json"
     if not config.is_file():
+        refuse_variant_root(Path(path))
         raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
     hf = json.loads(config.read_text())
     if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
@@ -62,6 +63,30 @@ def drafter_family(path: str | Path) -> str:
     if is_mtp_only(hf):
         return "mtp"
     return "draft_model"
+
+
+def refuse_variant_root(path: Path) -> None:
+    """A repository that publishes its head in several subdirectories (EAGLE-3 heads with `compressed/`, a reduced
+    draft vocabulary with `d2t`, beside `full/`, the whole vocabulary) has no config.json at its root: no variant
+    is the obvious one (the reduced vocabulary drafts faster, the full one may accept more), so the root is refused
+    with each subdirectory named and described, for the caller to pick."""
+    variants = sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
+    if not variants:
+        return
+
+    def describe(sub: Path) -> str:
+        hf = json.loads((sub / "config.json").read_text())
+        layer = hf.get("transformer_layer_config") or {}
+        vocab = hf.get("vocab_size") or layer.get("vocab_size")
+        draft = hf.get("draft_vocab_size") or vocab
+        if draft is None:
+            return f"{sub.name}/"
+        kind = "the whole vocabulary" if draft == vocab else f"a draft vocabulary of {draft} tokens (d2t)"
+        return f"{sub.name}/ ({kind})"
+
+    raise ValueError(f"{path} holds no config.json but {len(variants)} drafter variants in subdirectories: "
+                     f"{', '.join(describe(v) for v in variants)}; load one of them, e.g. "
+                     f"load_drafter('{variants[0]}', target)")
 
 
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None,
