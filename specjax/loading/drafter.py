@@ -20,6 +20,7 @@ from specjax.convert.dspark import is_dspark_config, load_dspark
 from specjax.convert.eagle3 import load_eagle3
 from specjax.convert.eagle3_layouts import is_eagle3_config
 from specjax.convert.mtp import check_stored, is_mtp_only, read_mtp_only_dir
+from specjax.convert.mtp_standalone import is_standalone_mtp, read_standalone_mtp_dir
 from specjax.decoding.drafter import Drafter
 from specjax.drafters import dflash as dflash_family
 from specjax.drafters import dspark as dspark_family
@@ -60,7 +61,7 @@ def drafter_family(path: str | Path) -> str:
         return "dflash"
     if is_eagle3_config(hf):
         return "eagle3"
-    if is_mtp_only(hf):
+    if is_mtp_only(hf) or is_standalone_mtp(hf):
         return "mtp"
     return "draft_model"
 
@@ -105,7 +106,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
       the target's `MtpDrafter`; so does another directory of the same model (same config.json
       shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
     - An MTP-only directory (only MTP tensors + the target's config.json, `specjax_mtp_only`; what
-      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`.
+      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`; so does a standalone
+      MTP repository (`model_type: qwen3_5_mtp`, mlx-vlm's splitter; convert/mtp_standalone.py).
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
 
@@ -139,7 +141,9 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     if family == "mtp":
         if mtp is False:
             raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
-        return mtp_drafter(target, attn_impl=attn_impl, stored=read_mtp_only_dir(path, target.cfg))
+        hf = json.loads((Path(path) / "config.json").read_text())
+        read = read_standalone_mtp_dir if is_standalone_mtp(hf) else read_mtp_only_dir
+        return mtp_drafter(target, attn_impl=attn_impl, stored=read(path, target.cfg))
     own = getattr(target, "mtp", None) is not None
     same_dir = _same_dir(path, getattr(target, "path", None))
     if mtp or (mtp is None and own and same_dir):
