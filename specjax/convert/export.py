@@ -457,6 +457,9 @@ def export_dspark(cfg: DSparkConfig, params: dict, dst: str | Path, *, num_targe
     """Write a DSpark drafter in DeepSpec's format; with `tables_from` (a path to the target, relative to dst) the
     embed_tokens / lm_head copies are left out and config.json names the target they come from instead."""
 
+    if cfg.draft_vocab_size:
+        raise ValueError(f"this DSpark drafter drafts over a pruned vocabulary of {cfg.draft_vocab_size} tokens "
+                         "(speculators' d2t), which DeepSpec's format cannot hold; keep its speculators directory")
     dtype = dtype or cfg.block.layers.dtype
     config = dspark_hf_config(cfg, num_target_layers, dtype, num_anchors)
     if tables_from is not None:

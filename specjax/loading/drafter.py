@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.convert.dflash import is_dflash_config, load_dflash
 from specjax.convert.dspark import is_dspark_config, load_dspark
+from specjax.convert.dspark_speculators import is_speculators_dspark, load_speculators_dspark
 from specjax.convert.eagle3 import load_eagle3
 from specjax.convert.eagle3_layouts import is_eagle3_config
 from specjax.convert.mtp import check_stored, is_mtp_only, read_mtp_only_dir
@@ -55,7 +56,7 @@ def drafter_family(path: str | Path) -> str:
         refuse_variant_root(Path(path))
         raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
     hf = json.loads(config.read_text())
-    if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
+    if is_dspark_config(hf) or is_speculators_dspark(hf):  # DeepSpec's (and DFlash, rank 0) or speculators' DSpark
         return "dspark"
     if is_dflash_config(hf):
         return "dflash"
@@ -229,16 +230,19 @@ def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
 
 def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
                    rope_theta: float | None = None) -> DSparkDrafter:
-    """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
+    """A DSparkDrafter from a DeepSpec or speculators DSpark checkpoint directory, checked against `target`.
 
     DSpark carries its own embedding and lm_head (frozen copies of the target's). A
     `confidence_calibration.json` beside the weights (drafters/confidence.save_calibration) supplies
     the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
     """
 
-    embed = to_host(target.params["embed"])  # split over the model axis, maybe over other processes' devices too
-    lm_head = to_host(target.params["lm_head"]) if "lm_head" in target.params else embed.T
-    cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
+    if is_speculators_dspark(json.loads((Path(path) / "config.json").read_text())):
+        cfg, block, heads = load_speculators_dspark(path, target.cfg, dtype or target.cfg.dtype)
+    else:
+        embed = to_host(target.params["embed"])  # split over the model axis, maybe over other processes' devices
+        lm_head = to_host(target.params["lm_head"]) if "lm_head" in target.params else embed.T
+        cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
     cfg = dataclasses.replace(cfg, block=dataclasses.replace(cfg.block, layers=_with_theta(cfg.block.layers,
                                                                                            rope_theta)))
     params = dspark_family.drafter_params(head_params(block, target), head_params(heads, target),
