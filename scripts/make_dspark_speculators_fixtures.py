@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         mask_token_id=MASK, markov_rank=RANK, markov_head_type="vanilla", enable_confidence_head=True,
         confidence_head_with_markov=True,
         speculators_config=sp.SpeculatorsConfig(
-            algorithm="dspark", proposal_methods=[sp.Greedy(speculative_tokens=BLOCK)], default_proposal_method="greedy",
+            algorithm="dspark", proposal_methods=[sp.Greedy(speculative_tokens=BLOCK)],
+            default_proposal_method="greedy",
             verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"])))
     model = dspark_core.DSparkDraftModel(config).eval()
     model._attn_impl, model._create_mask_fn = "sdpa", create_mask

@@ -1,11 +1,11 @@
 """speculators-format DSpark (vllm-project/speculators `DSparkDraftModel`): sample_from_anchor, a pruned draft
 vocabulary with d2t, Markov and confidence heads.
 
-tests/fixtures/dspark_speculators was run and saved by speculators' own code (scripts/make_dspark_speculators_fixtures.py,
-commit in meta.json): every anchor's block of its training forward, teacher-forced (slot k's Markov bias from the
-block token before it), recorded before the loss. specjax reads it into the target's vocabulary and must give the
-same hidden states, the same logits at the draft ids (-inf elsewhere) and the same confidences, then decode
-losslessly on a tiny target.
+tests/fixtures/dspark_speculators was run and saved by speculators' own code
+(scripts/make_dspark_speculators_fixtures.py, commit in meta.json): every anchor's block of its training forward,
+teacher-forced (slot k's Markov bias from the block token before it), recorded before the loss. specjax reads it into
+the target's vocabulary and must give the same hidden states, the same logits at the draft ids (-inf elsewhere) and
+the same confidences, then decode losslessly on a tiny target.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def speculators_dspark_config(hf: dict[str, Any], target: ModelConfig, dtype: st
                          "Qwen3DFlash layers are implemented without biases")
     target_hidden = hf.get("target_hidden_size")
     if target_hidden is not None and target_hidden != layer.get("hidden_size"):
-        raise ValueError(f"the speculators DSpark drafter's target_hidden_size {target_hidden} differs from its layers' "
-                         f"hidden_size {layer.get('hidden_size')}; not implemented")
+        raise ValueError(f"the speculators DSpark drafter's target_hidden_size {target_hidden} differs from its "
+                         f"layers' hidden_size {layer.get('hidden_size')}; not implemented")
     layers, heads, kv_heads = check_layer_fields("DSpark", layer, target, lambda h, k: _need(h, k, where))
     ids = hf.get("aux_hidden_state_layer_ids")
     if ids is None:  # speculators' models/utils.py resolve_target_layer_ids default, same numbering

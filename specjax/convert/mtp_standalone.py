@@ -9,8 +9,9 @@ Qwen3.5-MoE and Qwen3-Next targets):
                        mtp_num_hidden_layers), "block_size", "tie_word_embeddings"[, "quantization"]}
     model.safetensors  the target's `mtp.*` tensors with `mtp.` stripped (fc, pre_fc_norm_embedding,
                        pre_fc_norm_hidden, norm, layers.{j}.*), metadata {"format": "mlx"}; every 1-D float norm
-                       (`ONE_PLUS_W`: the layer norms, q/k norms, `norm`, both pre-fc norms) stored as 1 + w (MLX's RMSNorm multiplies by the weight; Qwen3.5's checkpoint
-                       keeps the zero-centred w, x * (1 + w)). A source already in MLX form had the 1 added by
+                       (`ONE_PLUS_W`: the layer norms, q/k norms, `norm`, both pre-fc norms) stored as 1 + w
+                       (MLX's RMSNorm multiplies by the weight; Qwen3.5's checkpoint keeps the zero-centred w,
+                       x * (1 + w)). A source already in MLX form had the 1 added by
                        its own conversion; the splitter then only strips the prefix, so the file says the same.
 
 Runtimes disagree on reading such a file without the marker (mlx-vlm's loader re-sanitizes only `mtp.`-prefixed

@@ -30,7 +30,8 @@ to a target id as `draft_id + d2t[draft_id]`.
 
 The network is `Eagle3Head` (an NNX module); its plain-dict form (`to_params`, what the
 checkpoint reader produces and the drafter carries), [in, out] matrices as everywhere in specjax:
-    fc [n*Ht, H]; fc_norm [n, Ht] (fc_norm only); input_norm [n*Ht] (norm_before_fc only); layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
+    fc [n*Ht, H]; fc_norm [n, Ht] (fc_norm only); input_norm [n*Ht] (norm_before_fc only);
+    layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
     wk/wv [2H, Hkv*D], (q_norm, k_norm [D]), wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm),
     w_gate/w_up [H, F], w_down [F, H]}; extra_layers {0: ..., L-2: a DecoderLayer's params} (L > 1 only);
     final_norm [H]; lm_head [H, Vd] (the target's [H, V] when lm_head="target", absent when "target_embed");
