@@ -53,6 +53,21 @@ here; CI never runs this script, the tests read only what it writes). What was r
                      states, and `compute_logits` scores them. Saved by `save_pretrained` (embed_tokens and the
                      full-vocabulary lm_head included) in bf16.
 
+  EAGLE-3.1 heads (the same drivers):
+  speculators_eagle31   speculators' Eagle3DraftModel with fc_norm and norm_output (models/eagle3/core.py: an
+                        RMSNorm per tap before fc; the final norm's output fed back and scored), llama, 2 layers,
+                        draft vocab 64, ids [1, 3, 5], bf16. Its step{s}_hidden is what is fed back: the hook sits
+                        on the final norm (`model.norm`), not the last layer.
+  speculators_norm_before_fc   the older variant: one RMSNorm over the concatenated taps (`input_norm`), qwen3,
+                        1 layer, norm_output off, fp32.
+  specforge_fc_norm     SpecForge's LlamaForCausalLMEagle3 at the fetched commit with configs/
+                        qwen3-30B-A3B-eagle3.1.json's flags (fc_norm true, norm_output true): at that commit
+                        (before its PR #879) norm_output true means normed logits with the pre-norm output fed back,
+                        plain EAGLE-3 (`compute_logits`, algorithms/eagle3/model.py); saved as `case_specforge`.
+  specforge_eagle_config  the same SpecForge code and saving, config with the `eagle_config` SpecForge's own
+                        configs carry (configs/deepseek-v3-671b-eagle3.json: custom ids [0, 3, 5] and
+                        `use_aux_hidden_state`, a key ModelOpt's configs have too) over `midlayer.*` tensors.
+
 Weights are random (norms 1 + 0.1 N(0,1), matrices and lm_heads N(0,1)/sqrt(fan-in), embeddings N(0,1)), rounded to the stored
 dtype and run in fp32. Each case directory holds the checkpoint, io.npz and meta.json:
     features_BTF [B, T, n*Ht]          target features (the taps concatenated in the head's order)
@@ -96,9 +111,12 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # SpecForge decorates its RMS
 HEAD = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=128,
             rms_norm_eps=1e-6)
 TARGET_LAYERS = 7
-CASES = ("specforge", "speculators_llama", "speculators_qwen3", "modelopt", "deepspec")
+CASES = ("specforge", "speculators_llama", "speculators_qwen3", "modelopt", "deepspec", "speculators_eagle31",
+         "speculators_norm_before_fc", "specforge_fc_norm", "specforge_eagle_config")
 PRODUCER = {"specforge": "specforge", "speculators_llama": "speculators", "speculators_qwen3": "speculators",
-            "modelopt": "speculators", "deepspec": "deepspec"}
+            "modelopt": "speculators", "deepspec": "deepspec", "speculators_eagle31": "speculators",
+            "speculators_norm_before_fc": "speculators", "specforge_fc_norm": "specforge",
+            "specforge_eagle_config": "specforge"}
 
 
 # ---- the producers, imported from their checkouts ------------------------------------------------------------
@@ -219,6 +237,9 @@ def specforge_model(torch, mod, raw: dict):
 
     config = LlamaConfig(**raw)
     config.draft_vocab_size = raw["draft_vocab_size"]
+    for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 flags llama3_eagle.py reads with getattr
+        if flag in raw:
+            setattr(config, flag, raw[flag])
     return mod.LlamaForCausalLMEagle3(config, attention_backend="sdpa").eval()
 
 
@@ -237,37 +258,44 @@ def specforge_steps(torch, model, features, ids, d2t, steps: int) -> dict:
     return out
 
 
-def case_specforge(torch, repos, out_dir: Path, seed: int = 0) -> None:
+SPECFORGE_FC_NORM_CONFIG = {**SPECFORGE_CONFIG, "fc_norm": True, "norm_output": True}  # qwen3-30B-A3B-eagle3.1.json
+SPECFORGE_EAGLE_CONFIG = {**SPECFORGE_CONFIG, "eagle_config": {  # configs/deepseek-v3-671b-eagle3.json's form
+    "eagle_aux_hidden_state_layer_ids": [0, 3, 5], "use_aux_hidden_state": True}}
+
+
+def case_specforge(torch, repos, out_dir: Path, seed: int = 0, name: str = "specforge",
+                   raw: dict = SPECFORGE_CONFIG) -> None:
     mod = import_specforge(repos["specforge"])
-    model = specforge_model(torch, mod, SPECFORGE_CONFIG)
+    model = specforge_model(torch, mod, raw)
+    assert (model.fc_norm is not None) == bool(raw.get("fc_norm"))
     randomize(torch, model, torch.bfloat16, seed)
-    d2t, t2d = draft_vocab(torch, HEAD["vocab_size"], SPECFORGE_CONFIG["draft_vocab_size"], seed)
+    d2t, t2d = draft_vocab(torch, HEAD["vocab_size"], raw["draft_vocab_size"], seed)
     model.d2t.copy_(d2t)
     model.t2d.copy_(t2d)
     features, ids = inputs(torch, 2, 7, 3 * HEAD["hidden_size"], HEAD["vocab_size"], seed)
     with torch.no_grad():
         steps = specforge_steps(torch, model, features, ids, model.d2t, 3)
-    case_dir = out_dir / "specforge"
+    case_dir = out_dir / name
     save_npz(case_dir, {"features_BTF": features, "target_embed": model.embed_tokens.weight.detach(),
                         **{k: v.detach() for k, v in steps.items()}})
     model.to(torch.bfloat16)
     state = {k: v for k, v in model.state_dict().items() if "embed" not in k.lower()}  # to_sglang.py's filter
     model.save_pretrained(case_dir, state_dict=state, max_shard_size="20KB")
-    (case_dir / "config.json").write_text(json.dumps(SPECFORGE_CONFIG, indent=2) + "\n")
+    (case_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     write_meta(case_dir, torch, producer="sgl-project/SpecForge", commit=commit_of(repos["specforge"]), seed=seed)
 
 
 # ---- speculators (and ModelOpt's layout, whose semantics it runs) ------------------------------------------------
 
 
-def speculators_config(sp, layer: dict, *, draft_vocab: int, norm_before_residual: bool, ids):
+def speculators_config(sp, layer: dict, *, draft_vocab: int, norm_before_residual: bool, ids, **flags):
     from transformers import AutoConfig
 
     layer_cfg = AutoConfig.for_model(**layer)
     layer_cfg._attn_implementation = "sdpa"  # see speculators_steps
     return sp.Config(
         transformer_layer_config=layer_cfg, draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual,
-        eagle_aux_hidden_state_layer_ids=ids,
+        eagle_aux_hidden_state_layer_ids=ids, **flags,
         speculators_config=sp.SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[sp.Greedy(speculative_tokens=3)], default_proposal_method="greedy",
             verifier=sp.VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
@@ -278,8 +306,9 @@ def speculators_steps(torch, model, features, ids, steps: int) -> dict:
     last layer. sdpa attention: its bool masks extend correctly across steps (the eager path's float masks would be
     extended with 0/1 entries by extend_dense_mask_for_draft_tokens)."""
     logits, hidden = [], []
+    fed_back = model.norm if model.config.norm_output else model.layers[-1]  # what the next step reads
     hooks = [model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach())),
-             model.layers[-1].register_forward_hook(lambda m, i, o: hidden.append(
+             fed_back.register_forward_hook(lambda m, i, o: hidden.append(
                  (o[0] if isinstance(o, tuple) else o).detach()))]
     b, t = ids.shape
     assert b == 1, "speculators' forward packs documents into one row"
@@ -302,13 +331,23 @@ SPECULATORS_CASES = {
                                          max_position_embeddings=2048, tie_word_embeddings=False),
                               draft_vocab=HEAD["vocab_size"], norm_before_residual=False, ids=None, dtype="float32",
                               seed=2),
+    "speculators_eagle31": dict(layer=dict(model_type="llama", num_hidden_layers=2, head_dim=8, rope_theta=10000.0,
+                                           max_position_embeddings=2048, tie_word_embeddings=False),
+                                draft_vocab=64, norm_before_residual=True, ids=[1, 3, 5], dtype="bfloat16", seed=5,
+                                flags=dict(fc_norm=True, norm_output=True)),
+    "speculators_norm_before_fc": dict(layer=dict(model_type="qwen3", num_hidden_layers=1, head_dim=8,
+                                                  rope_theta=1000000.0, max_position_embeddings=2048,
+                                                  tie_word_embeddings=False),
+                                       draft_vocab=HEAD["vocab_size"], norm_before_residual=False, ids=None,
+                                       dtype="float32", seed=6, flags=dict(norm_before_fc=True)),
 }
 
 
 def speculators_model(torch, sp, spec: dict):
     layer = {**HEAD, **spec["layer"]}
     config = speculators_config(sp, layer, draft_vocab=spec["draft_vocab"],
-                                norm_before_residual=spec["norm_before_residual"], ids=spec["ids"])
+                                norm_before_residual=spec["norm_before_residual"], ids=spec["ids"],
+                                **spec.get("flags", {}))
     model = sp.Model(config).eval()
     randomize(torch, model, getattr(torch, spec["dtype"]), spec["seed"])
     if model.d2t is not None:
@@ -584,6 +623,10 @@ def round_trip(torch, repos: dict, head_dir: Path, target_dir: Path, tol: float 
 def run_case(torch, name: str, repos: dict, out_dir: Path) -> None:
     if name == "specforge":
         case_specforge(torch, repos, out_dir)
+    elif name == "specforge_fc_norm":
+        case_specforge(torch, repos, out_dir, seed=8, name=name, raw=SPECFORGE_FC_NORM_CONFIG)
+    elif name == "specforge_eagle_config":
+        case_specforge(torch, repos, out_dir, seed=9, name=name, raw=SPECFORGE_EAGLE_CONFIG)
     elif name.startswith("speculators"):
         case_speculators(torch, repos, out_dir, name)
     elif name == "modelopt":

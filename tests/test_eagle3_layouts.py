@@ -435,8 +435,8 @@ def test_deepspec_tap_rules(tmp_path):
 
 @pytest.mark.parametrize("case, change, match", [
     ("specforge", lambda c: c.update(num_hidden_layers=2), r"num_hidden_layers=2; a SafeAILab / SpecForge head"),
-    ("specforge", lambda c: c.update(fc_norm=True, norm_output=True), r"sets fc_norm: an EAGLE-3.1 head"),
-    ("speculators_llama", lambda c: c.update(norm_before_fc=True), r"sets norm_before_fc"),
+    ("specforge", lambda c: c.update(fc_norm=True, norm_output=True), r"sets norm_output=True, whose meaning"),
+    ("speculators_llama", lambda c: c.update(norm_before_fc=True), r"lacks tensor 'input_norm.weight'"),
     ("speculators_llama", lambda c: c.update(speculators_model_type="dflash"),
      r"speculators_model_type is 'dflash'"),
     ("speculators_llama", lambda c: c["transformer_layer_config"].update(model_type="qwen3_next"),
@@ -483,3 +483,23 @@ def test_extra_tensors_are_refused_naming_the_layout(tmp_path):
               str(head / "model.safetensors"))
     with pytest.raises(ValueError, match=r"in the speculators layout does not have: 'layers.1.self_attn.q_proj"):
         load_eagle3(head, target_config())
+
+
+# ---- SpecForge heads with an `eagle_config`: the tensors decide the layout ------------------------------------------
+
+
+def test_specforge_head_with_eagle_config_is_read_by_its_tensors(target, prompts, plain):
+    """SpecForge's own configs (and AQ-MedAI's Kimi-K2 / Qwen3.5 heads) carry `eagle_config` with custom ids and
+    `use_aux_hidden_state` (a ModelOpt flag) over `midlayer.*` tensors: the tensors make it a SpecForge head, its
+    ids count SGLang's way (+ 1), and every step matches SpecForge's code."""
+    case = "specforge_eagle_config"
+    hf = json.loads((FIXTURES / case / "config.json").read_text())
+    assert head_layout(hf) == "modelopt"  # the config alone reads as ModelOpt's ...
+    cfg, params = fixture_params(case)
+    assert cfg.layout == "specforge" and cfg.feature_layers == (1, 4, 6)  # ... its midlayer.* tensors do not
+    io = io_of(case)
+    for name, value in row_chains(eagle3.head_of(cfg, params), cfg, io).items():
+        np.testing.assert_allclose(value, io[name], atol=ATOL, rtol=0, err_msg=name)
+    drafter = specjax.load_drafter(FIXTURES / case, target)
+    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter, tree="chain:3")
+    assert out.tokens == plain.tokens and out.stats["rounds"] > 0

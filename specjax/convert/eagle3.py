@@ -7,6 +7,8 @@ The config decides the layout (convert/eagle3_layouts.py: SafeAILab, SpecForge, 
 DeepSpec) and with it every rule below. Tensors, torch [out, in]:
 
     fc.weight [H, n*Ht]                       n taps (three; DeepSpec five)
+    fc_norm.{i}.weight [Ht]                   EAGLE-3.1 fc_norm only: one RMSNorm per tap, i < n
+    input_norm.weight [n*Ht]                  norm_before_fc only: one RMSNorm over the concatenated taps
     {P0}{input_layernorm, hidden_norm, post_attention_layernorm}.weight; {P0}self_attn.{q,k,v,o}_proj.weight
         [q, k: 2H in]; {P0}mlp.{gate,up,down}_proj.weight; {P0}self_attn.{q,k}_norm.weight when the layout has
         q/k norms; P0 = `midlayer.` (SafeAILab, SpecForge) or `layers.0.`
@@ -76,11 +78,13 @@ def lm_head_source(layout: str, names: set[str] | None, target: ModelConfig) -> 
 
 
 def eagle3_config(hf: dict[str, Any], target: ModelConfig, dtype: str | None = None, *,
-                  tensor_names: set[str] | None = None, rope_theta: float | None = None) -> Eagle3Config:
+                  tensor_names: set[str] | None = None, rope_theta: float | None = None,
+                  norm_output: bool | None = None) -> Eagle3Config:
     """Eagle3Config from the head's config.json (its layout's rules), checked against the target (ValueError naming
-    both sides). tensor_names decides whether a ModelOpt head has its own lm_head; rope_theta overrides the base."""
-    layout = layouts.head_layout(hf)
-    fields = layouts.read_fields(hf, layout, target)
+    both sides). tensor_names decides whether a ModelOpt head has its own lm_head; rope_theta overrides the base;
+    norm_output the reading of an EAGLE-3.1 `norm_output` (eagle3_layouts.eagle31_flags)."""
+    layout = layouts.head_layout(hf, tensor_names)
+    fields = layouts.read_fields(hf, layout, target, norm_output)
     if fields["target_hidden_size"] != target.hidden_size:
         field = "target_hidden_size" if hf.get("target_hidden_size") else "hidden_size"
         raise ValueError(f"the EAGLE-3 head reads target features of width {fields['target_hidden_size']} "
@@ -199,6 +203,11 @@ def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, 
 
     params: dict[str, Any] = {k: take(name, shapes[k], k in ("fc", "lm_head"))
                               for k, name in _TOP_KEYS.items() if k in shapes}
+    if cfg.fc_norm:
+        params["fc_norm"] = np.stack([take(f"fc_norm.{i}.weight", shapes["fc_norm"][1:], False)
+                                      for i in range(cfg.num_taps)])
+    if cfg.norm_before_fc:
+        params["input_norm"] = take("input_norm.weight", shapes["input_norm"], False)
     first = layouts.layer_prefix(cfg.layout, 0)
     params["layer"] = {k: take(first + name, shapes["layer"][k], not k.endswith("norm"))
                        for k, name in _LAYER_KEYS.items() if k in shapes["layer"]}
@@ -220,7 +229,8 @@ def head_params(tensors: dict[str, np.ndarray], cfg: Eagle3Config) -> dict[str, 
 
 
 def load_eagle3(model_dir: str | Path, target: ModelConfig, dtype: str | None = None, *,
-                rope_theta: float | None = None) -> tuple[Eagle3Config, dict[str, Any]]:
+                rope_theta: float | None = None, norm_output: bool | None = None
+                ) -> tuple[Eagle3Config, dict[str, Any]]:
     """(config, host params) of the EAGLE-3 head in model_dir, checked against the target's config.
 
     The params lack `embed` unless the checkpoint has one; the drafter then uses the target's table (and,
@@ -230,7 +240,7 @@ def load_eagle3(model_dir: str | Path, target: ModelConfig, dtype: str | None = 
     model_dir = Path(model_dir)
     hf = read_hf_config(model_dir)
     tensors = read_head_tensors(model_dir)
-    cfg = eagle3_config(hf, target, dtype, tensor_names=set(tensors), rope_theta=rope_theta)
+    cfg = eagle3_config(hf, target, dtype, tensor_names=set(tensors), rope_theta=rope_theta, norm_output=norm_output)
     params = head_params(tensors, cfg)
     if "embed" not in params and cfg.hidden_size != target.hidden_size:
         raise ValueError(f"the EAGLE-3 head has hidden_size {cfg.hidden_size} but the target {target.hidden_size}, "

@@ -6,9 +6,9 @@ producer's own code applies; the file is named beside each.
 | layout | recognised by | layer names | taps (-> HF hidden_states) | RoPE |
 |---|---|---|---|---|
 | safeailab | `draft_vocab_size`, architectures LlamaForCausalLM | `midlayer.*` | `eagle_config` ids + 1, else 2, L//2, L-3 | cnets.py `_init_rope` |
-| specforge | architectures LlamaForCausalLMEagle3 (also SGLang's heads) | `midlayer.*` | as safeailab | llama3_eagle.py `get_rope_config` |
+| specforge | architectures LlamaForCausalLMEagle3 (also SGLang's heads), `midlayer.*` tensors | `midlayer.*` | as safeailab | llama3_eagle.py `get_rope_config` |
 | speculators | `speculators_config` / `transformer_layer_config` | `layers.{i}.*` | top-level ids as they are | the layer config's |
-| modelopt | `eagle_config` with ModelOpt's flags | `layers.{i}.*` | `eagle_config` ids + 1 | top-level fields |
+| modelopt | `eagle_config` with ModelOpt's flags, tensors `layers.{i}.*` | `layers.{i}.*` | `eagle_config` ids + 1 | top-level fields |
 | deepspec | architectures Qwen3Eagle3Model | `layers.0.*` | `target_layer_ids` + 1 | the (target's) Qwen3 config |
 
 Taps. SGLang (python/sglang/srt/models/llama.py `set_eagle3_layers_to_capture`: the
@@ -33,10 +33,21 @@ transformers does (`rope_parameters`, else `rope_theta` / `rope_scaling`). Imple
 {"rope_type": "yarn", "factor": 32, "original_max_position_embeddings": 2048} unless told not to; transformers'
 `_compute_yarn_parameters` and vLLM's YaRNScalingRotaryEmbedding agree on it).
 
-Not implemented, refused by name: EAGLE-3.1's `fc_norm`, `norm_before_fc` and `norm_output` (vLLM's
-llama_eagle3.py reads them; SpecForge's default and meaning of `norm_output` changed across its versions),
-attention or MLP biases, speculators decoder types other than llama and qwen3, and ModelOpt's Kimi-K2 (MLA)
-heads.
+EAGLE-3.1 (`eagle31_flags`). `fc_norm` (an RMSNorm per tap before fc, tensors `fc_norm.{i}.weight`),
+`norm_before_fc` (one RMSNorm over the concatenated taps, `input_norm.weight`) and `norm_output` (the final norm's
+output fed back) are read as the code that runs each layout computes them: speculators' heads by
+speculators/models/eagle3/core.py (flags at the top level); ModelOpt-layout heads by vLLM's
+model_executor/models/llama_eagle3.py (`norm_before_fc` in `eagle_config` or at the top, `fc_norm` and
+`norm_output` at the top; `model.fc_norm.*` is vLLM's name after its loader prefixes `model.`); SpecForge /
+SafeAILab `midlayer.*` heads: `fc_norm` and `norm_before_fc` as vLLM and SpecForge's llama3_eagle.py
+`project_hidden_states` compute them. Their `norm_output` is refused unless the caller says which reading holds:
+SpecForge from b7ce50cd (2026-07-19, EAGLE-3.1 support) up to PR #879 (2026-09-15) trained `norm_output: true`
+(its default) as plain EAGLE-3 (normed logits, the pre-norm output fed back) and `false` as no final norm at all;
+from #879 on `true` means EAGLE-3.1 (the post-norm output fed back, what vLLM and SGLang serve) and `false` EAGLE-3.
+The tensors and config are the same either way, so only the trainer's version tells.
+
+Not implemented, refused by name: attention or MLP biases, speculators decoder types other than llama and qwen3,
+and ModelOpt's Kimi-K2 (MLA) heads.
 """
 
 from __future__ import annotations
@@ -61,14 +72,19 @@ def is_eagle3_config(hf: dict[str, Any]) -> bool:
             or any("eagle3" in a.lower() for a in archs))
 
 
-def head_layout(hf: dict[str, Any]) -> str:
-    """The producer layout of an EAGLE-3 head's config.json (see the module docstring's table)."""
+def head_layout(hf: dict[str, Any], tensor_names: set[str] | None = None) -> str:
+    """The producer layout of an EAGLE-3 head (see the module docstring's table), from its config.json and, when
+    given, its tensor names: tensors named `midlayer.*` are a SafeAILab / SpecForge head whatever the config
+    carries. SpecForge's own configs (configs/deepseek-v3-671b-eagle3.json, qwen3-235B-A22B-eagle3.json) and
+    heads trained from them (AQ-MedAI's Kimi-K2 and Qwen3.5-397B heads) set `eagle_config` with
+    `use_aux_hidden_state`, one of ModelOpt's flags, over `midlayer.*` tensors; their ids are SGLang's."""
     archs = hf.get("architectures") or []
     if "speculators_config" in hf or "transformer_layer_config" in hf or "Eagle3Speculator" in archs:
         return "speculators"
     if any(a.endswith("Eagle3Model") for a in archs) and "target_layer_ids" in hf:
         return "deepspec"
-    if any(flag in (hf.get("eagle_config") or {}) for flag in MODELOPT_FLAGS):
+    midlayer = tensor_names is not None and any(n.startswith("midlayer.") for n in tensor_names)
+    if any(flag in (hf.get("eagle_config") or {}) for flag in MODELOPT_FLAGS) and not midlayer:
         return "modelopt"
     if "LlamaForCausalLMEagle3" in archs:
         return "specforge"
@@ -172,12 +188,7 @@ def yarn_rope(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str = "config.json") -> None:
-    """EAGLE-3.1 variants, biases and activations specjax does not implement, refused by name."""
-    eagle = hf.get("eagle_config") or {}
-    for key in ("fc_norm", "norm_before_fc", "norm_output"):
-        if hf.get(key) or eagle.get(key):
-            raise ValueError(f"the EAGLE-3 head's {where} sets {key}: an EAGLE-3.1 head (per-tap or pre-fc norms, "
-                             "post-norm hidden fed back), which specjax does not implement")
+    """Biases and activations specjax does not implement, refused by name."""
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"the EAGLE-3 head's {where} sets {key}=true; specjax implements bias-free heads only")
@@ -215,9 +226,43 @@ def torch_dtype(hf: dict[str, Any]) -> str:
 # ---- reading: config.json -> the layout's Eagle3Config fields --------------------------------------------------
 
 
-def read_fields(hf: dict[str, Any], layout: str, target: ModelConfig) -> dict[str, Any]:
-    """Eagle3Config fields (all but dtype and lm_head, which the tensors decide) of a head in `layout`."""
-    return _READERS[layout](hf, target)
+def read_fields(hf: dict[str, Any], layout: str, target: ModelConfig, norm_output: bool | None = None
+                ) -> dict[str, Any]:
+    """Eagle3Config fields (all but dtype and lm_head, which the tensors decide) of a head in `layout`;
+    norm_output, when given, is the caller's reading of an EAGLE-3.1 head's `norm_output` (`eagle31_flags`)."""
+    return {**_READERS[layout](hf, target), **eagle31_flags(hf, layout, norm_output)}
+
+
+NORM_OUTPUT_VERSIONS = (
+    "SpecForge trained `norm_output: true` as plain EAGLE-3 (normed logits, the pre-norm output fed back) from "
+    "b7ce50cd (2026-07-19) up to its PR #879 (2026-09-15), and as EAGLE-3.1 (the post-norm output fed back, as vLLM "
+    "and SGLang serve it) since; `false` meant no final norm before #879 and plain EAGLE-3 since")
+
+
+def eagle31_flags(hf: dict[str, Any], layout: str, norm_output: bool | None = None) -> dict[str, bool]:
+    """fc_norm, norm_before_fc and norm_output of a head in `layout`, as the code that runs it reads them (module
+    docstring). norm_output given by the caller overrides the config (and is required for a `midlayer.*` head whose
+    config sets it, whose meaning depends on the SpecForge version that trained it)."""
+    eagle = hf.get("eagle_config") or {}
+    fc_norm = bool(hf.get("fc_norm", False))
+    before_fc = bool(eagle.get("norm_before_fc", hf.get("norm_before_fc", False)))
+    if layout == "deepspec" and (fc_norm or before_fc or hf.get("norm_output")):
+        raise ValueError("the DeepSpec head's config.json sets an EAGLE-3.1 flag (fc_norm / norm_before_fc / "
+                         "norm_output); DeepSpec's Qwen3Eagle3Model has none of them")
+    if fc_norm and before_fc:
+        raise ValueError("the EAGLE-3 head's config.json sets both fc_norm and norm_before_fc; they are exclusive (one "
+                         "norm per tap, or one over the concatenated taps: speculators' Eagle3SpeculatorConfig "
+                         "refuses both)")
+    if norm_output is None:
+        if layout in ("safeailab", "specforge") and "norm_output" in hf:
+            raise ValueError(
+                f"the EAGLE-3 head's config.json sets norm_output={hf['norm_output']!r}, whose meaning for a "
+                f"SpecForge (`midlayer.*`) head depends on the SpecForge version that trained it: "
+                f"{NORM_OUTPUT_VERSIONS}. Pass norm_output=True to load_drafter for the EAGLE-3.1 reading (SpecForge "
+                "since #879, vLLM, SGLang), or norm_output=False for plain EAGLE-3 (a head trained before #879 with "
+                "true, or since with false; one trained before #879 with false has no final norm, not implemented)")
+        norm_output = bool(hf.get("norm_output", False))
+    return dict(fc_norm=fc_norm, norm_before_fc=before_fc, norm_output=bool(norm_output))
 
 
 def _midlayer_fields(hf: dict[str, Any], target: ModelConfig, rope: RopeConfig) -> dict[str, Any]:
@@ -382,6 +427,18 @@ def _drop_rope_spellings(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_theta", "rope_scaling", "dtype")}
 
 
+def _eagle31_keys(cfg, config: dict[str, Any], top_norm_output: bool = True) -> dict[str, Any]:
+    """fc_norm / norm_before_fc / norm_output as `eagle31_flags` reads them back: set when on, dropped when off
+    (norm_output kept at the top only where it means one thing)."""
+    config = {k: v for k, v in config.items() if k not in ("fc_norm", "norm_before_fc", "norm_output")}
+    if isinstance(config.get("eagle_config"), dict):
+        config["eagle_config"] = {k: v for k, v in config["eagle_config"].items() if k != "norm_before_fc"}
+    config.update({k: True for k in ("fc_norm", "norm_before_fc") if getattr(cfg, k)})
+    if cfg.norm_output and top_norm_output:
+        config["norm_output"] = True
+    return config
+
+
 def _write_midlayer(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
     arch = "LlamaForCausalLMEagle3" if cfg.layout == "specforge" else "LlamaForCausalLM"
     config = {"architectures": [arch], "model_type": "llama", "max_position_embeddings": 2048,
@@ -394,7 +451,7 @@ def _write_midlayer(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
         config["target_hidden_size"] = cfg.target_hidden_size
     else:
         config.pop("target_hidden_size", None)
-    return config
+    return _eagle31_keys(cfg, config, top_norm_output=False)
 
 
 def _write_speculators(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -402,8 +459,7 @@ def _write_speculators(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any
     layer.update(model_type="qwen3" if cfg.qk_norm else "llama", **_shape_keys(cfg), num_hidden_layers=cfg.num_layers,
                  vocab_size=cfg.vocab_size, tie_word_embeddings=False, torch_dtype=dtype,
                  **_rope_keys(cfg.rope, cfg.layout))
-    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-              "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "embed_requires_grad": False,
               "speculators_config": {"algorithm": "eagle3",
                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                      "default_proposal_method": "greedy",
@@ -412,7 +468,8 @@ def _write_speculators(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any
     config.update(transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size,
                   norm_before_residual=cfg.norm_before_residual,
                   target_hidden_size=cfg.target_hidden_size if cfg.target_hidden_size != cfg.hidden_size else None,
-                  eagle_aux_hidden_state_layer_ids=list(cfg.feature_layers), torch_dtype=dtype)
+                  eagle_aux_hidden_state_layer_ids=list(cfg.feature_layers), torch_dtype=dtype,
+                  norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     return config
 
 
@@ -429,7 +486,7 @@ def _write_modelopt(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
                   norm_before_residual=cfg.norm_before_residual, **_rope_keys(cfg.rope, cfg.layout))
     if not cfg.norm_before_residual:
         config.pop("norm_before_residual")
-    return config
+    return _eagle31_keys(cfg, config)
 
 
 def _write_deepspec(cfg, dtype: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -284,6 +284,10 @@ def check_eagle3_layout(cfg: Eagle3Config, layout: str) -> None:
         problems.append(f"{cfg.num_taps} taps (SafeAILab and SpecForge heads read three)")
     if cfg.norm_before_residual and layout not in ("speculators", "modelopt"):
         problems.append("norm_before_residual (a speculators / vLLM flag)")
+    if cfg.norm_output and layout in ("safeailab", "specforge"):
+        problems.append("norm_output (SpecForge's versions read it two ways; eagle3_layouts.NORM_OUTPUT_VERSIONS)")
+    if (cfg.fc_norm or cfg.norm_before_fc) and layout == "deepspec":
+        problems.append("fc_norm / norm_before_fc (DeepSpec's Qwen3Eagle3Model has neither)")
     if problems:
         raise ValueError(f"this EAGLE-3 head cannot be written in the {layout} layout: it has {'; '.join(problems)}")
 
@@ -300,6 +304,10 @@ def eagle3_tensors(params: dict, dtype: str, *, layout: str = "safeailab", vocab
     neither map. lm_head is written when params hold one (a head scored by the target's has none). The embedding (`params["embed"]`) by default where the producer saves it: speculators, DeepSpec."""
     d2t = np.asarray(params["d2t"]).astype(np.int64)
     tensors = {"fc.weight": _cast(np.asarray(params["fc"]).T, dtype), "norm.weight": _cast(params["final_norm"], dtype)}
+    for i, w in enumerate(params.get("fc_norm", ())):  # EAGLE-3.1 norms, named as vLLM, speculators, SpecForge read
+        tensors[f"fc_norm.{i}.weight"] = _cast(w, dtype)
+    if "input_norm" in params:
+        tensors["input_norm.weight"] = _cast(params["input_norm"], dtype)
     if "lm_head" in params:
         tensors["lm_head.weight"] = _cast(np.asarray(params["lm_head"]).T, dtype)
     first = {k: (name, not k.endswith("norm")) for k, name in HEAD_LAYER_KEYS.items()}
@@ -449,6 +457,9 @@ def export_dspark(cfg: DSparkConfig, params: dict, dst: str | Path, *, num_targe
     """Write a DSpark drafter in DeepSpec's format; with `tables_from` (a path to the target, relative to dst) the
     embed_tokens / lm_head copies are left out and config.json names the target they come from instead."""
 
+    if cfg.draft_vocab_size:
+        raise ValueError(f"this DSpark drafter drafts over a pruned vocabulary of {cfg.draft_vocab_size} tokens "
+                         "(speculators' d2t), which DeepSpec's format cannot hold; keep its speculators directory")
     dtype = dtype or cfg.block.layers.dtype
     config = dspark_hf_config(cfg, num_target_layers, dtype, num_anchors)
     if tables_from is not None:

@@ -45,7 +45,8 @@ Networks (Flax NNX modules, [in, out] matrices; the params are one flat dict, th
 plain dicts, merged back per module by `networks`):
     BlockBackbone (drafters/dflash.py): fc, hidden_norm, final_norm, layers (stacked or per-layer);
     Tables (drafters/dflash.py): embed [V, H], lm_head [H, V]: DSpark's own frozen copies;
-    MarkovHead: markov_w1 [V, r], markov_w2 [V, r] (none at rank 0);
+    MarkovHead: markov_w1 [V, r], markov_w2 [V, r] (none at rank 0); vocab_mask [V] (a pruned draft
+        vocabulary only: 0 on its tokens, -inf elsewhere; see DSparkConfig.draft_vocab_size);
     ConfidenceHead: confidence_w [H (+ r)], confidence_b [], and confidence_temperature [gamma] (a
         `Calibration` variable: fitted post hoc, never trained).
 """
@@ -85,6 +86,10 @@ class DSparkConfig:
     """A DSpark drafter's static shape: its backbone and heads (hashable: part of the compiled loop's key).
 
     markov_rank: r, 0 for no Markov head (the `dflash_*_block7` class).
+    draft_vocab_size: speculators' DSpark drafts over a pruned vocabulary (lm_head [Vd, H], markov_w2 [Vd, r], d2t).
+    It is read into the target's vocabulary: those rows scattered to their target ids, the others zero, and the
+    Markov step's `vocab_mask` (-inf off the draft vocabulary), so every logit specjax draws from equals the
+    producer's at the draft ids and nothing else can be drafted.
     confidence: whether the checkpoint has a confidence head; confidence_with_markov: whether its
     input is [h_k; W1[x_{k-1}]] (else h_k alone).
     """
@@ -94,6 +99,7 @@ class DSparkConfig:
     confidence: bool = False
     confidence_with_markov: bool = False
     markov_head_type: str = "vanilla"
+    draft_vocab_size: int = 0  # a pruned draft vocabulary's size (speculators' d2t); 0: the target's whole one
 
     @property
     def block_size(self) -> int:
@@ -112,10 +118,15 @@ class Calibration(nnx.Variable):
     """A value fitted post hoc on verified rounds (the confidence temperatures): state, never a trained Param."""
 
 
+class VocabMask(nnx.Variable):
+    """0 on a pruned draft vocabulary's target ids, -inf elsewhere: a table, never trained."""
+
+
 class MarkovHead(nnx.Module):
     """The Markov step, `markov_head_type` vanilla: logits_k = U_k + W2 W1[x_{k-1}]; rank 0: no weights, U_k alone.
+    With a pruned draft vocabulary, + vocab_mask (every logit goes through here).
 
-    Init: normal(0, scale).
+    Init: normal(0, scale); vocab_mask all 0 (a test init drafts over the whole vocabulary).
     """
 
     def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs, scale: float = 0.02):
@@ -123,16 +134,19 @@ class MarkovHead(nnx.Module):
         dtype = jnp.dtype(cfg.block.layers.dtype)
         self.markov_w1 = param(normal(rngs, (v, r), dtype, scale), "vocab", None) if r else None
         self.markov_w2 = param(normal(rngs, (v, r), dtype, scale), "vocab", None) if r else None
+        self.vocab_mask = VocabMask(jnp.zeros((v,), jnp.float32)) if cfg.draft_vocab_size else None
 
     def embed(self, prev: jax.Array) -> jax.Array:
         """W1[x_prev] in fp32: [..., r] for token ids [...]."""
         return self.markov_w1[...][prev].astype(jnp.float32)
 
     def __call__(self, u_BV: jax.Array, prev_B: jax.Array) -> jax.Array:
-        """U + W2 W1[x_prev]: fp32 logits [B, V] given the backbone's [B, V] and the previous tokens [B]."""
-        if self.markov_w1 is None:
-            return u_BV
-        return u_BV + jnp.einsum("br,vr->bv", self.embed(prev_B), self.markov_w2[...].astype(jnp.float32))
+        """U + W2 W1[x_prev] (+ vocab_mask): fp32 logits [B, V] given the backbone's [B, V] and the previous tokens."""
+        if self.markov_w1 is not None:
+            u_BV = u_BV + jnp.einsum("br,vr->bv", self.embed(prev_B), self.markov_w2[...].astype(jnp.float32))
+        if self.vocab_mask is not None:
+            u_BV = u_BV + self.vocab_mask[...]
+        return u_BV
 
 
 class ConfidenceHead(nnx.Module):

@@ -3,6 +3,8 @@
 Inference math (the SafeAILab/EAGLE `cnets.Model` forward, written in specjax's terms):
 
     first step:   h = fc(concat(g_1, ..., g_n))                n x target hidden -> H, no bias
+                  [EAGLE-3.1: fc(concat(norm_1(g_1), ..., norm_n(g_n))) under fc_norm, or
+                  fc(norm(concat(g_1, ..., g_n))) under the older norm_before_fc]
     every step:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))     embedding first, 2H
                   q, k, v = x @ Wq, Wk, Wv; [q/k RMSNorm per head]; RoPE (the config's head_dim, else H / heads;
                   the head's own base)
@@ -12,12 +14,15 @@ Inference math (the SafeAILab/EAGLE `cnets.Model` forward, written in specjax's 
                   [layers 1 .. L-1: plain pre-norm decoder layers over H (vLLM / speculators multi-layer heads)]
                   logits = lm_head(norm(h'))                                  over the draft vocab
     later steps feed h' (the last layer's pre-norm output) back as h (no fc), so the head drafts a chain from
-    its own output.
+    its own output; an EAGLE-3.1 head with norm_output feeds back norm(h') instead, and its logits are
+    lm_head(norm(h')) with the norm applied once.
 
 The producers differ only in what the brackets say and where the weights live (convert/eagle3.py and
 convert/eagle3_layouts.py read each one's layout): DeepSpec's and speculators' Qwen3 heads add q/k norms,
 speculators' heads may set norm_before_residual, vLLM / speculators / ModelOpt heads may have several layers,
-ModelOpt heads may have no lm_head of their own (then the target's scores them, `lm_head="target"`).
+ModelOpt heads may have no lm_head of their own (then the target's scores them, `lm_head="target"`), EAGLE-3.1
+heads (vLLM's llama_eagle3.py, speculators' models/eagle3/core.py, SpecForge's llama3_eagle.py) add fc_norm,
+norm_before_fc or norm_output.
 
 Pairing: feature row p (the target's hidden states at token t_p) goes with the embedding
 of t_{p+1}; the row of the newest token goes with the token just chosen. A draft id maps
@@ -25,7 +30,8 @@ to a target id as `draft_id + d2t[draft_id]`.
 
 The network is `Eagle3Head` (an NNX module); its plain-dict form (`to_params`, what the
 checkpoint reader produces and the drafter carries), [in, out] matrices as everywhere in specjax:
-    fc [n*Ht, H]; layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
+    fc [n*Ht, H]; fc_norm [n, Ht] (fc_norm only); input_norm [n*Ht] (norm_before_fc only);
+    layer {embed_norm [H] (input_layernorm), hidden_norm [H], wq [2H, Hq*D],
     wk/wv [2H, Hkv*D], (q_norm, k_norm [D]), wo [Hq*D, H], mlp_norm [H] (post_attention_layernorm),
     w_gate/w_up [H, F], w_down [F, H]}; extra_layers {0: ..., L-2: a DecoderLayer's params} (L > 1 only);
     final_norm [H]; lm_head [H, Vd] (the target's [H, V] when lm_head="target", absent when "target_embed");
@@ -69,6 +75,9 @@ class Eagle3Config:
     num_layers: decoder layers; layer 0 reads the 2H concat, layers 1.. are plain layers over H.
     qk_norm: per-head RMSNorm of q and k before RoPE (DeepSpec's and speculators' Qwen3 heads).
     norm_before_residual: the first layer's residual is hidden_norm(h) instead of h (speculators' flag).
+    fc_norm: an RMSNorm per tap before fc (EAGLE-3.1); norm_before_fc: one RMSNorm over the concatenated taps
+    before fc (the older variant; exclusive with fc_norm, as speculators' config validator says).
+    norm_output: the final norm's output is fed back as the next step's hidden input (EAGLE-3.1).
     lm_head: "own" (a [H, Vd] matrix of the head), "target" (the target's lm_head, shared: a ModelOpt export
     without one) or "target_embed" (the same for a target with tied embeddings: its embedding table).
     layout: the producer's checkpoint layout it was read from and is exported back to (convert/eagle3_layouts.py).
@@ -91,8 +100,14 @@ class Eagle3Config:
     norm_before_residual: bool = False
     lm_head: str = "own"
     layout: str = "safeailab"
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("Eagle3Config.fc_norm and norm_before_fc are exclusive (one norm per tap, or one over "
+                             "their concatenation), as speculators' Eagle3SpeculatorConfig validates")
         if self.lm_head not in LM_HEADS:
             raise ValueError(f"Eagle3Config.lm_head is {self.lm_head!r}; one of {LM_HEADS}")
         if self.lm_head != "own" and self.draft_vocab_size != self.vocab_size:
@@ -167,6 +182,10 @@ class Eagle3Head(nnx.Module):
         self.cfg = cfg
         h, dtype = cfg.hidden_size, jnp.dtype(cfg.dtype)
         self.fc = param(normal(rngs, (cfg.num_taps * cfg.target_hidden_size, h), dtype, scale), None, "embed")
+        self.fc_norm = param(jnp.ones((cfg.num_taps, cfg.target_hidden_size), dtype), None, None) \
+            if cfg.fc_norm else None
+        self.input_norm = param(jnp.ones((cfg.num_taps * cfg.target_hidden_size,), dtype), None) \
+            if cfg.norm_before_fc else None
         self.layer = Eagle3Layer(cfg, rngs=rngs, scale=scale)
         self.extra_layers = nnx.List([DecoderLayer(cfg.layer_cfg, rngs=rngs, scale=scale)
                                       for _ in range(cfg.num_layers - 1)]) if cfg.num_layers > 1 else None
@@ -179,9 +198,26 @@ class Eagle3Head(nnx.Module):
                            "vocab", "embed")
 
     def fuse(self, features_BTF: jax.Array) -> jax.Array:
-        """fc: target features [B, T, n*Ht] -> the head's hidden input [B, T, H]. First step only."""
+        """fc: target features [B, T, n*Ht] -> the head's hidden input [B, T, H]. First step only.
+
+        EAGLE-3.1's fc_norm normalises each tap alone, norm_before_fc their concatenation (vLLM's llama_eagle3.py
+        `combine_hidden_states`, speculators' core.py `forward`, SpecForge's `project_hidden_states`)."""
         fc = self.fc[...]
-        return features_BTF.astype(fc.dtype) @ fc
+        x_BTF = features_BTF.astype(fc.dtype)
+        eps = self.cfg.rms_norm_eps
+        if self.input_norm is not None:
+            x_BTF = rms_norm(x_BTF, self.input_norm[...], eps)
+        if self.fc_norm is not None:
+            taps_BTNH = x_BTF.reshape(*x_BTF.shape[:-1], self.cfg.num_taps, self.cfg.target_hidden_size)
+            x_BTF = rms_norm(taps_BTNH, self.fc_norm[...], eps).reshape(x_BTF.shape)
+        return x_BTF @ fc
+
+    def carry(self, h_BTD: jax.Array) -> jax.Array:
+        """What the head feeds itself from its last layer's output: h, or the final norm's output under
+        norm_output (vLLM's llama_eagle3.py `aux_output`, speculators' core.py)."""
+        if self.cfg.norm_output:
+            return rms_norm(h_BTD, self.final_norm[...], self.cfg.rms_norm_eps)
+        return h_BTD
 
     def inv_freq(self) -> jax.Array:
         return rope_inv_freq(self.cfg.rope, self.cfg.head_dim)
@@ -204,7 +240,8 @@ class Eagle3Head(nnx.Module):
         layer's buffer; lengths stay unchanged (the caller advances or commits, as for the target's forward).
         positions default to `lengths + t`, mask_BTR to causal among the new rows. A tree level passes
         its window: slot and a mask over the R slots after the prefix (see `layers.cached_attention`).
-        Returns the last layer's pre-norm hidden states [B, T, H] and the cache.
+        Returns the last layer's pre-norm hidden states [B, T, H] (post-norm under norm_output: `carry`) and the
+        cache.
         """
         b, t = ids_BT.shape
         lengths_B = cache.lengths
@@ -220,11 +257,12 @@ class Eagle3Head(nnx.Module):
         for i, layer in enumerate(self.extra_layers or ()):
             h_BTD, k_bufs[i + 1], v_bufs[i + 1] = layer(h_BTD, k_bufs[i + 1], v_bufs[i + 1], None, lengths_B,
                                                         positions_BT, mask_BTR, self.inv_freq(), attn_impl, slot)
-        return h_BTD, KVCache(tuple(k_bufs), tuple(v_bufs), lengths_B)
+        return self.carry(h_BTD), KVCache(tuple(k_bufs), tuple(v_bufs), lengths_B)
 
     def draft_logits(self, h_BTD: jax.Array) -> jax.Array:
-        """fp32 logits over the draft vocabulary [B, T, Vd] from pre-norm hidden states."""
-        x_BTD = rms_norm(h_BTD, self.final_norm[...], self.cfg.rms_norm_eps)
+        """fp32 logits over the draft vocabulary [B, T, Vd] from `midlayer`'s output (normed here unless
+        norm_output already normed it)."""
+        x_BTD = h_BTD if self.cfg.norm_output else rms_norm(h_BTD, self.final_norm[...], self.cfg.rms_norm_eps)
         if self.lm_head is None:  # the target's tied table, [V, H] as stored
             return jnp.einsum("btd,vd->btv", x_BTD, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...], preferred_element_type=jnp.float32)
@@ -267,6 +305,7 @@ def init_params(cfg: Eagle3Config, key: jax.Array, embed: jax.Array) -> dict:
         head.lm_head.set_value(normal(rngs, head.lm_head.shape, dtype, 1.0))
     layers = [head.layer, *(head.extra_layers or ())]
     norms = [head.final_norm, head.layer.embed_norm, head.layer.hidden_norm]
+    norms += [n for n in (head.fc_norm, head.input_norm) if n is not None]
     norms += [n for layer in layers for n in (layer.mlp_norm, layer.attn_norm, layer.q_norm, layer.k_norm)
               if n is not None]
     for norm in norms:

@@ -17,9 +17,11 @@ import numpy as np
 
 from specjax.convert.dflash import is_dflash_config, load_dflash
 from specjax.convert.dspark import is_dspark_config, load_dspark
+from specjax.convert.dspark_speculators import is_speculators_dspark, load_speculators_dspark
 from specjax.convert.eagle3 import load_eagle3
 from specjax.convert.eagle3_layouts import is_eagle3_config
 from specjax.convert.mtp import check_stored, is_mtp_only, read_mtp_only_dir
+from specjax.convert.mtp_standalone import is_standalone_mtp, read_standalone_mtp_dir
 from specjax.decoding.drafter import Drafter
 from specjax.drafters import dflash as dflash_family
 from specjax.drafters import dspark as dspark_family
@@ -51,22 +53,47 @@ def drafter_family(path: str | Path) -> str:
     """
     config = Path(path) / "config.json"
     if not config.is_file():
+        refuse_variant_root(Path(path))
         raise FileNotFoundError(f"{config} does not exist: a drafter directory needs its config.json")
     hf = json.loads(config.read_text())
-    if is_dspark_config(hf):  # DeepSpec's DSpark and DFlash (markov_rank 0) drafters: Qwen3DSparkModel
+    if is_dspark_config(hf) or is_speculators_dspark(hf):  # DeepSpec's (and DFlash, rank 0) or speculators' DSpark
         return "dspark"
     if is_dflash_config(hf):
         return "dflash"
     if is_eagle3_config(hf):
         return "eagle3"
-    if is_mtp_only(hf):
+    if is_mtp_only(hf) or is_standalone_mtp(hf):
         return "mtp"
     return "draft_model"
 
 
+def refuse_variant_root(path: Path) -> None:
+    """A repository that publishes its head in several subdirectories (EAGLE-3 heads with `compressed/`, a reduced
+    draft vocabulary with `d2t`, beside `full/`, the whole vocabulary) has no config.json at its root: no variant
+    is the obvious one (the reduced vocabulary drafts faster, the full one may accept more), so the root is refused
+    with each subdirectory named and described, for the caller to pick."""
+    variants = sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
+    if not variants:
+        return
+
+    def describe(sub: Path) -> str:
+        hf = json.loads((sub / "config.json").read_text())
+        layer = hf.get("transformer_layer_config") or {}
+        vocab = hf.get("vocab_size") or layer.get("vocab_size")
+        draft = hf.get("draft_vocab_size") or vocab
+        if draft is None:
+            return f"{sub.name}/"
+        kind = "the whole vocabulary" if draft == vocab else f"a draft vocabulary of {draft} tokens (d2t)"
+        return f"{sub.name}/ ({kind})"
+
+    raise ValueError(f"{path} holds no config.json but {len(variants)} drafter variants in subdirectories: "
+                     f"{', '.join(describe(v) for v in variants)}; load one of them, e.g. "
+                     f"load_drafter('{variants[0]}', target)")
+
+
 def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp: bool | None = None,
-                 rope_theta: float | None = None) -> Drafter:
-    """Load a drafter checkpoint for `target`, detecting its family from config.json, refusing one that does not fit.
+                 rope_theta: float | None = None, norm_output: bool | None = None) -> Drafter:
+    """Load a drafter checkpoint for `target`, detecting its family, refusing one that does not fit it.
 
     - A DeepSpec DSpark drafter (Qwen3DSparkModel; its `dflash_*_block7` checkpoints too, Markov rank 0)
       becomes a `DSparkDrafter` with its own embedding and lm_head copies; hidden size, vocabulary, block,
@@ -80,7 +107,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
       the target's `MtpDrafter`; so does another directory of the same model (same config.json
       shape) whose checkpoint carries them. `mtp=False` loads such a directory as a draft model.
     - An MTP-only directory (only MTP tensors + the target's config.json, `specjax_mtp_only`; what
-      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`.
+      scripts/train_mtp.py writes) gives an `MtpDrafter` with those layers on `target`; so does a standalone
+      MTP repository (`model_type: qwen3_5_mtp`, mlx-vlm's splitter; convert/mtp_standalone.py).
     - A directory holding a dense decoder (specjax checkpoint or Hugging Face dir) becomes a draft
       model; it must have the target's vocabulary and, when both carry one, the same tokenizer.
 
@@ -93,6 +121,10 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             at another base than its config says, e.g. SpecForge's Qwen3 heads trained before its RoPE fix of
             2025-10-30 (trained at 10000, config 1e6; acceptance far below the published figure tells). MTP layers
             and draft models have no head config of their own to override: refused there.
+        norm_output: how to read an EAGLE-3.1 head's `norm_output` (True: the final norm's output is fed back, as
+            vLLM, SGLang and SpecForge since its PR #879 mean it; False: plain EAGLE-3); required for a SpecForge
+            (`midlayer.*`) head whose config sets it, whose meaning changed across SpecForge versions
+            (convert/eagle3_layouts.py); EAGLE-3 heads only.
 
     Returns:
         A drafter for `specjax.generate(..., drafter=...)`, `stream`, `inspect_draft` and the engine.
@@ -100,8 +132,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
     Raises:
         TypeError: `target` is not a specjax Target.
         ValueError: a drafter that does not fit the target (hidden size, vocabulary, tokenizer, d2t, tap layers,
-            block size, mask token; both sides named), an unknown or refused layout, or rope_theta where it has no
-            meaning.
+            block size, mask token; both sides named), an unknown or refused layout, or rope_theta / norm_output
+            where it has no meaning.
 
     Example:
         ```python
@@ -117,16 +149,20 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
             "a draft model is a whole model: correct the rope_theta in its own config.json"
         raise ValueError(f"rope_theta= overrides the RoPE base of an EAGLE-3, DFlash or DSpark head's own config; "
                          f"{path} is a {family} drafter ({what})")
+    if norm_output is not None and family != "eagle3":
+        raise ValueError(f"norm_output= says how an EAGLE-3.1 head's config is read; {path} is a {family} drafter")
     if family == "dspark":
         return dspark_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "dflash":
         return dflash_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "eagle3":
-        return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
+        return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta, norm_output=norm_output)
     if family == "mtp":
         if mtp is False:
             raise ValueError(f"{path} holds only MTP layers (no model to load as a draft model); drop mtp=False")
-        return mtp_drafter(target, attn_impl=attn_impl, stored=read_mtp_only_dir(path, target.cfg))
+        hf = json.loads((Path(path) / "config.json").read_text())
+        read = read_standalone_mtp_dir if is_standalone_mtp(hf) else read_mtp_only_dir
+        return mtp_drafter(target, attn_impl=attn_impl, stored=read(path, target.cfg))
     own = getattr(target, "mtp", None) is not None
     same_dir = _same_dir(path, getattr(target, "path", None))
     if mtp or (mtp is None and own and same_dir):
@@ -172,14 +208,15 @@ def _same_model(model, target) -> bool:
 
 
 def eagle3_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
-                   rope_theta: float | None = None) -> Eagle3Drafter:
+                   rope_theta: float | None = None, norm_output: bool | None = None) -> Eagle3Drafter:
     """An Eagle3Drafter from an EAGLE-3 head directory (any producer's layout), checked against `target`.
 
     Uses the checkpoint's embedding when it has one, else the target's (the same array, not a copy); a head
     without an lm_head of its own (ModelOpt) scores with the target's lm_head (or its tied embedding).
     """
 
-    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta)
+    cfg, host = load_eagle3(path, target.cfg, dtype or target.cfg.dtype, rope_theta=rope_theta,
+                            norm_output=norm_output)
     params = head_params(host, target)
     params.setdefault("embed", target.params["embed"])
     if cfg.lm_head == "target":
@@ -211,16 +248,19 @@ def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
 
 def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
                    rope_theta: float | None = None) -> DSparkDrafter:
-    """A DSparkDrafter from a DeepSpec DSpark checkpoint directory, checked against `target`.
+    """A DSparkDrafter from a DeepSpec or speculators DSpark checkpoint directory, checked against `target`.
 
     DSpark carries its own embedding and lm_head (frozen copies of the target's). A
     `confidence_calibration.json` beside the weights (drafters/confidence.save_calibration) supplies
     the confidence temperatures. The layer layout follows the target's (per-layer on CPU).
     """
 
-    embed = to_host(target.params["embed"])  # split over the model axis, maybe over other processes' devices too
-    lm_head = to_host(target.params["lm_head"]) if "lm_head" in target.params else embed.T
-    cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
+    if is_speculators_dspark(json.loads((Path(path) / "config.json").read_text())):
+        cfg, block, heads = load_speculators_dspark(path, target.cfg, dtype or target.cfg.dtype)
+    else:
+        embed = to_host(target.params["embed"])  # split over the model axis, maybe over other processes' devices
+        lm_head = to_host(target.params["lm_head"]) if "lm_head" in target.params else embed.T
+        cfg, block, heads = load_dspark(path, target.cfg, dtype or target.cfg.dtype, target_tables=(embed, lm_head))
     cfg = dataclasses.replace(cfg, block=dataclasses.replace(cfg.block, layers=_with_theta(cfg.block.layers,
                                                                                            rope_theta)))
     params = dspark_family.drafter_params(head_params(block, target), head_params(heads, target),

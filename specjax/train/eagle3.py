@@ -154,7 +154,7 @@ def unroll(head: Eagle3Head, features_BTF: jax.Array, next_ids_BT: jax.Array, st
         q_BTHD, k_BTKD, v_BTKD = head.qkv(shift_left(next_ids_BT, j), h_BTD, positions_BT + j)
         k_steps.append(k_BTKD)
         v_steps.append(v_BTKD)
-        h_BTD = head.layer.output(h_BTD, ttt_attention(q_BTHD, k_steps, v_steps))
+        h_BTD = head.carry(head.layer.output(h_BTD, ttt_attention(q_BTHD, k_steps, v_steps)))
         logits.append(head.draft_logits(h_BTD))
     return logits
 
