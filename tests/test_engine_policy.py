@@ -148,3 +148,12 @@ def test_a_tree_at_light_load_and_off_under_load():
     verified_DR[0] = rounds * np.array([0.6, 0.2, 0.1])
     p.learn("tree", verified_DR, rounds)  # depth 1's ranks (deeper depths: as depth 1)
     assert [p.choose(nb, nb, None) for nb in (1, 4, 8)] == ["tree", "chain:3", OFF]
+
+
+def test_a_chunk_after_a_prefill_updates_the_realized_rate_but_not_the_round_time():
+    p = policy(0.9)
+    before = p.round_s[(1, "chain:4")].value
+    p.record(1, 1, "chain:4", 8, 30, 8 * 3 * before, clean=False)  # a prefill ran inside: 3x the round time
+    assert p.round_s[(1, "chain:4")].value == before and p.row_rate[(1, "chain:4")].samples == 1
+    p.record(1, 1, "chain:4", 8, 30, 8 * 3 * before)
+    assert p.round_s[(1, "chain:4")].value > before

@@ -136,3 +136,19 @@ def test_device_memory_is_the_quantized_size_and_the_plan_counts_it(fp8_dir, tar
     assert weight_bytes(cfg, None, scheme) == pytest.approx(held, rel=2e-3)  # the plan assumes f32 scales
     plan = memory_plan(cfg, "fp8", DEVICES["h100"], 1, 1, 128, scheme=scheme)
     assert plan.weight_bytes == weight_bytes(cfg, {}, scheme) and "| fp8 (fp8) |" in format_memory([plan])
+
+
+def test_the_plan_counts_quantized_moe_experts_at_their_size(tmp_path):
+    """Block-FP8 Qwen3-MoE: experts (and attention, dense layers) held quantized; the memory plan's weights equal
+    what the device holds (scales counted at 4 bytes, as the plan assumes)."""
+    from hf_quant import write_block_fp8
+    from hf_tiny import build_moe
+
+    from specjax.convert.quantized import read_scheme
+    from specjax.planning.memory import weight_bytes
+
+    path = write_block_fp8(build_moe("qwen3_moe", num_hidden_layers=2), tmp_path / "moe", block=(16, 16))
+    target = specjax.load(path, dtype="float32")
+    held = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    planned = weight_bytes(target.cfg, None, read_scheme(target.hf_config))
+    assert planned == pytest.approx(held, rel=0.05) and planned < 0.5 * weight_bytes(target.cfg, None)

@@ -52,6 +52,7 @@ STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count
 CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS
 MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
+WARMUP_TIMINGS = 3  # timed warmup chunks per (occupancy bucket, shape), each on fresh dummy rows
 SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's settings: SamplingParams' fields
 LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
 
@@ -182,6 +183,7 @@ class Engine:
         self._error: BaseException | None = None
         self._shape: str | None = None
         self._rounds = 1
+        self._gap_work = 0  # prefills, prompt pieces and catch-ups dispatched since the last chunk
         self._history: list[tuple[float, int, str]] = []
         self._counters = collections.Counter({k: 0 for k in ("chunks", "prefills", "prefill_rows", "chunked_prefills",
                                                              "catch_up_rows", "tokens_emitted", "requests_finished",
@@ -451,6 +453,7 @@ class Engine:
 
     def _next_piece(self, a: _Active) -> int:
         """One piece of a's prompt into its slot; the last one makes the row decode. Returns its tokens."""
+        self._gap_work += 1
         c, n = self.prefill_chunk, len(a.ids)
         p = bucket(n)
         ids = np.zeros((1, p), np.int32)
@@ -488,6 +491,7 @@ class Engine:
         return min(batch_bucket(n, self.data), self.max_slots)
 
     def _prefill(self, group: list[_Active], length: int) -> None:
+        self._gap_work += 1
         pb = self._rows_bucket(len(group))
         base = self._live_count()
         dst = np.full((pb,), self.max_slots, np.int32)  # padding rows are dropped by the insert
@@ -535,7 +539,8 @@ class Engine:
         self._chunk(label, nb, sampled, self._rounds, bool(self._waiting))
         snap = self._exec("snapshot", ops.snapshot)(self._slots)
         owners = [a if a is not None and not a.prefilling else None for a in self._live]
-        self._inflight.append((snap, owners, label, nb, live, time.perf_counter()))
+        clean, self._gap_work = not self._gap_work, 0  # no prefill or catch-up ran on the device before it
+        self._inflight.append((snap, owners, label, nb, live, clean, time.perf_counter()))
 
     def _chunk(self, label: str, nb: int, sampled: bool, rounds: int, exit_early: bool) -> None:
         """Dispatch one chunk of `label` over the first nb slots (the slots donated)."""
@@ -564,7 +569,7 @@ class Engine:
             self._sched_costs[nb] = jnp.asarray(agreed(np.asarray(table)))
         return sched, self._sched_costs[nb]
 
-    def _read(self, snap, owners: list, label: str, nb: int, live: int, dispatched: float) -> None:
+    def _read(self, snap, owners: list, label: str, nb: int, live: int, clean: bool, dispatched: float) -> None:
         """Hand out one chunk's tokens; learn from its timing and acceptance."""
         out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(snap)
         now = time.perf_counter()
@@ -578,7 +583,7 @@ class Engine:
         rounds = int(step) - (int(step) if self._last_step is None else self._last_step)
         self._last_step = int(step)
         if rounds > 0:
-            self.policy.record(nb, live, label, rounds, tokens, now - since)
+            self.policy.record(nb, live, label, rounds, tokens, now - since, clean)
             if now - since < CHUNK_TARGET_S:
                 self._rounds = min(2 * self._rounds, MAX_ROUNDS)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
@@ -656,6 +661,7 @@ class Engine:
             a.stale = False
 
     def _catch_up_group(self, group: list[_Active], length: int) -> None:
+        self._gap_work += 1
         pb = self._rows_bucket(len(group))
         seq_BT = np.zeros((pb, length), np.int32)
         seq_len_B, root_B = np.ones((pb,), np.int32), np.zeros((pb,), np.int32)
@@ -778,17 +784,20 @@ class Engine:
         for nb in sorted({self._rows_bucket(n) for n in range(1, self.max_slots + 1)}):
             for label in self.labels:
                 for sampled in self.lc:
-                    dummies = [self._dummy(1, self.max_len - 1) for _ in range(nb)]
-                    for i in range(0, nb, self.max_prefill_batch):
-                        self._prefill(dummies[i: i + self.max_prefill_batch], 16)
-                    for timed in (False, True):
+                    timings = []
+                    for _ in range(1 + (WARMUP_TIMINGS if sampled == max(self.lc) else 0)):  # the first compiles
+                        dummies = [self._dummy(1, self.max_len - 1) for _ in range(nb)]
+                        for i in range(0, nb, self.max_prefill_batch):
+                            self._prefill(dummies[i: i + self.max_prefill_batch], 16)
+                        jax.block_until_ready(self._slots)
                         start = time.perf_counter()
                         self._chunk(label, nb, sampled, WARMUP_ROUNDS, False)
                         jax.block_until_ready(self._slots)
-                        if timed and sampled == max(self.lc):
-                            self.policy.round_s[(nb, label)].add((time.perf_counter() - start) / WARMUP_ROUNDS)
-                    self._exec("snapshot", ops.snapshot)(self._slots)
-                    self._retire_all()
+                        timings.append((time.perf_counter() - start) / WARMUP_ROUNDS)
+                        self._exec("snapshot", ops.snapshot)(self._slots)
+                        self._retire_all()
+                    if len(timings) > 1:  # the least: a timing is only ever slowed by what else runs
+                        self.policy.round_s[(nb, label)].add(min(timings[1:]))
         for n in self._chunked_lengths():  # every (prompt bucket, piece) executable of a chunked prefill
             a = self._dummy(n)
             a.slot, a.prefilling = self._live_count(), True
@@ -802,6 +811,7 @@ class Engine:
             dummies[0].finished = True
             self._retire()
             self._retire_all()
+        self._gap_work = 0  # warmup's prefills are no chunk's
 
     def _piece_keys(self, n: int) -> set:
         """The executables a chunked prefill of an n-token prompt runs."""

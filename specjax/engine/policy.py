@@ -1,8 +1,9 @@
 """Which draft shape the next chunk runs, from the number of slots decoding now.
 
 Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / round_s(nb, shape):
-- round_s, seconds per round of the compiled chunk at bucket nb, timed by `Engine.warmup` and then updated from
-  every chunk the engine runs (an exponential average of its wall time over its rounds);
+- round_s, seconds per round of the compiled chunk at bucket nb, timed by `Engine.warmup` (the least of three
+  timings) and then updated from every chunk the engine runs with no prefill or catch-up before it (an exponential
+  average of its wall time over its rounds; the realized rate below counts every chunk);
 - tau, tokens a row emits per round, from the planner's positional acceptance model (planning/planner.py): p[d][r]
   = P(the rank-r draft at depth d + 1 is accepted | its parent was), counted online across every chunk whatever its
   shape (verified drafts per (depth, rank) over their opportunities, planning/calibration.py `opportunities`), so
@@ -147,11 +148,15 @@ class LoadPolicy:
         self.challenger, self.streak = None, 0
         return best
 
-    def record(self, nb: int, live: int, label: str, rounds: int, tokens: int, seconds: float) -> None:
-        """One chunk's outcome: its rounds, the tokens its live rows emitted, its wall time."""
+    def record(self, nb: int, live: int, label: str, rounds: int, tokens: int, seconds: float,
+               clean: bool = True) -> None:
+        """One chunk's outcome: its rounds, the tokens its live rows emitted, its wall time. A chunk after a prefill
+        or a catch-up (not `clean`: that work ran on the device inside its time) updates only the realized rate: its
+        round time would charge one shape with work every shape does."""
         if rounds <= 0 or seconds <= 0 or live <= 0:
             return
-        self.round_s[(nb, label)].add(seconds / rounds)
+        if clean:
+            self.round_s[(nb, label)].add(seconds / rounds)
         self.row_rate[(nb, label)].add(tokens / live / seconds)
         off, this = self.row_rate.get((nb, OFF)), self.row_rate[(nb, label)]
         if label != OFF and off is not None and min(off.samples, this.samples) >= MIN_SAMPLES \

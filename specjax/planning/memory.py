@@ -169,21 +169,32 @@ def checkpoint_draft(path: str | Path) -> Draft:
 
 def weight_bytes(cfg: ModelConfig, shards, scheme: QuantScheme | None = None) -> float:
     """One device's target weights in bytes: every parameter in the model dtype, except, for a quantized
-    checkpoint, the weights specjax keeps quantized (convert/hf.py: a dense model's attention and dense-MLP
-    linears not in the config's ignore list) at `bytes_per_weight`; MoE experts, a hybrid's layers and the
-    lm_head are dequantized at load, so they count at the model dtype."""
+    checkpoint, the weights specjax keeps quantized (convert/hf.py: attention, dense-MLP, routed-expert and
+    shared-expert linears not in the config's ignore list) at `bytes_per_weight`; a hybrid's layers and the lm_head
+    are dequantized at load, so they count at the model dtype."""
     width = DTYPE_BYTES[str(cfg.dtype)]
     total = cfg.num_params(shards=shards) * width
     if scheme is None or cfg.is_hybrid:
         return total
     share = (lambda count, axis: count / shards.get(axis, 1)) if shards else (lambda count, axis: count)
     d, hd = cfg.hidden_size, cfg.head_dim
-    sizes = {"self_attn.q_proj": share(d * cfg.num_heads * hd, "heads"), "self_attn.o_proj": share(
+    attention = {"self_attn.q_proj": share(d * cfg.num_heads * hd, "heads"), "self_attn.o_proj": share(
         d * cfg.num_heads * hd, "heads"), "self_attn.k_proj": share(d * cfg.num_kv_heads * hd, "kv_heads"),
         "self_attn.v_proj": share(d * cfg.num_kv_heads * hd, "kv_heads")}
-    mlp = {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in ("gate", "up", "down")}
-    quantized = sum(n for i in range(cfg.num_layers) for name, n in {**sizes, **({} if cfg.is_sparse(i) else mlp)}
-                    .items() if not scheme.ignored(f"model.layers.{i}.{name}"))
+    projections = ("gate", "up", "down")
+
+    def mlp(i: int) -> dict[str, float]:
+        if not cfg.is_sparse(i):
+            return {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in projections}
+        moe = cfg.moe
+        linears = {f"mlp.experts.{j}.{p}_proj": share(d * moe.expert_size, "experts")
+                   for j in range(moe.num_experts) for p in projections}
+        if moe.shared_size:
+            linears.update({f"mlp.shared_expert.{p}_proj": share(d * moe.shared_size, "shared") for p in projections})
+        return linears
+
+    quantized = sum(n for i in range(cfg.num_layers) for name, n in {**attention, **mlp(i)}.items()
+                    if not scheme.ignored(f"model.layers.{i}.{name}"))
     return total - quantized * width + quantized * bytes_per_weight(scheme)
 
 
