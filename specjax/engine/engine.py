@@ -120,8 +120,9 @@ class Engine:
         ValueError: a size that is not a positive int, a `prefill_chunk` that is not a power of two >= 16, a bad
             `logprobs`, `num_draft_tokens`, `tree` or `auto_chains` (or a shape without a drafter), a drafter whose
             vocabulary or hidden-state taps do not fit the target, a `scheduler` without a confidence drafter and
-            a fixed chain, `max_slots` not a multiple of the data-parallel size, or slots that do not fit the
-            device's free memory (the message says which max_slots would).
+            a fixed chain, candidate shapes whose drafter states differ, `max_slots` not a multiple of the
+            data-parallel size, or slots that do not fit the device's free memory (the message says which
+            max_slots would).
 
     Example:
         ```python
