@@ -34,7 +34,7 @@ class NgramDrafter:
     Example:
         ```python
         target = specjax.load(specjax.embedded("target"))
-        out = specjax.generate(target, ["def f(x):\n    return x + 1\n\ndef g(x):"], max_new_tokens=32,
+        out = specjax.generate(target, ["def f(x):\\n    return x + 1\\n\\ndef g(x):"], max_new_tokens=32,
                                drafter=specjax.NgramDrafter(max_n=4), num_draft_tokens=4)
         ```
 
