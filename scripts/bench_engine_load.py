@@ -7,7 +7,8 @@ concurrencies, "auto" against "off" and every fixed chain.
 The target is a random model large enough that decode is bandwidth-bound here (`--preset 300m`, 246M parameters,
 as scripts/load_curve.py uses). Drafts come from the replay drafter (specjax/drafters/replay.py) keyed by prompt,
 so a request finds its own continuation in whatever slot it lands: each draft is the target's true next token with
-probability alpha, drafting costs nothing, and acceptance is set exactly ("replay:ALPHA"); or from the preset's
+probability alpha, drafting costs nothing, and acceptance is set exactly ("replay:ALPHA"; "treereplay:ALPHA" drafts
+any tree too, the true token the rank-r child w.p. alpha (1 - alpha)^r, for `--trees`); or from the preset's
 random draft model ("draft": a real drafter that costs its forward passes and is almost never right, so the
 engine should learn to keep speculation off).
 
@@ -34,7 +35,7 @@ import numpy as np
 import specjax
 from specjax.bench.ar import PRESETS, machine_info
 from specjax.bench.spec import preset_pair
-from specjax.drafters.replay import replay_drafter
+from specjax.drafters.replay import replay_drafter, tree_replay
 
 
 def keep_in_flight(engine, prompts, budget: int, concurrency, duration_s: float | None = None,
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--drafters", default="replay:0.6,replay:0.9,draft")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--chains", default="1,2,4")
+    ap.add_argument("--trees", default="", help="trees among auto's shapes and run fixed, ';'-separated "
+                    "(e.g. 'kary:3,2,1;kary:4,2,2,1'); they need a drafter that drafts trees (treereplay, draft)")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=8,
@@ -83,6 +86,7 @@ def main() -> None:
     args = ap.parse_args()
 
     chains = [int(k) for k in args.chains.split(",")]
+    trees = [t for t in args.trees.split(";") if t]
     levels = [int(c) for c in args.concurrency.split(",")]
     target, draft_model = preset_pair(args.preset, args.dtype, 0, "auto")
     vocab = target.cfg.vocab_size
@@ -98,10 +102,13 @@ def main() -> None:
             drafter = draft_model
         elif which.startswith("replay:"):
             drafter = replay_drafter(continuations, vocab, 1.0 - float(which.split(":")[1]), prompts=prompts)
+        elif which.startswith("treereplay:"):
+            drafter = tree_replay(continuations, vocab, float(which.split(":")[1]), prompts=prompts)
         else:
-            raise SystemExit(f"unknown drafter {which!r}: replay:ALPHA or draft")
-        settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains), "off": dict(num_draft_tokens="off"),
-                    **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains}}
+            raise SystemExit(f"unknown drafter {which!r}: replay:ALPHA, treereplay:ALPHA or draft")
+        settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
+                    "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
+                    **{f"tree:{t}": dict(tree=t) for t in trees}}
         engines = {}
         for name, kw in settings.items():
             engines[name] = specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False,
@@ -150,7 +157,8 @@ def main() -> None:
             "fixed": table, "ramp_levels": ramp, "step_s": args.step_s,
             "ramp_shapes": stats["shapes_over_time"][history_from:], "ramp_occupancy": samples,
             "compiles_after_warmup": {n: e.stats()["compiles"] - compiles[n] for n, e in engines.items()},
-            "policy": {k: stats[k] for k in ("round_ms", "dropped", "acceptance_at_depth")},
+            "policy": {k: stats[k] for k in ("round_ms", "dropped", "acceptance_at_depth", "acceptance_depth_rank",
+                                             "tau")},
             "ramp_began": ramp_began}
         for e in engines.values():
             e.close()

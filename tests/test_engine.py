@@ -276,12 +276,22 @@ def test_chunked_prefill_equals_plain(target, tmp_path, kind):
         assert_no_leaks(engine)
 
 
-def test_eagle3_dynamic_tree_in_the_engine(target, plain):
-    drafter = specjax.load_drafter(specjax.embedded("eagle3"), target)
-    with specjax.Engine(target, drafter, max_slots=4, max_len=64, tree="dynamic:top_k=2,depth=2,total_tokens=6",
+@pytest.mark.parametrize("family, tree", [("draft", "kary:2,1"), ("eagle3", "dynamic:top_k=2,depth=2,total_tokens=6")])
+def test_trees_among_autos_shapes(target, plain, monkeypatch, family, tree):
+    """auto_trees: a static tree (draft model) or EAGLE-3's dynamic tree among "auto"'s shapes, the shape switching
+    between off, a chain and the tree every chunk: greedy output equals plain decoding, and the tree's chunks teach
+    the policy its side branches' acceptance (rank 1 at depth 1 offered), which chains alone never offer."""
+    monkeypatch.setattr(engine_module, "MAX_ROUNDS", 2)
+    drafter = specjax.load_drafter(specjax.embedded(family), target)
+    with specjax.Engine(target, drafter, max_slots=4, max_len=64, auto_chains=(2,), auto_trees=[tree],
                         sampling=False, max_prefill_batch=2) as engine:
+        label = engine.labels[-1]
+        assert engine.labels[:2] == [OFF, "chain:2"] and label.endswith(tree)
+        random_switches(engine, seed=5)
         outs, _ = run_with_arrivals(engine, PROMPTS, BUDGETS, seed=3, aborts=1)
         for i, out in outs.items():
-            assert out.tokens == plain[i], f"request {i} differs from plain decoding with a dynamic tree"
-        assert engine.stats()["acceptance_at_depth"][0] > 0
+            assert out.tokens == plain[i], f"request {i} differs from plain decoding with {tree} among the shapes"
+        stats = engine.stats()
+        assert {lb for _, _, lb in stats["shapes_over_time"]} == set(engine.labels)
+        assert engine.policy.offered_DR[0, 1] > 0 and stats["tau"][label] > 1
         assert_no_leaks(engine)

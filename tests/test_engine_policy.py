@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from specjax.decoding.tree import chain
 from specjax.engine.policy import DWELL, MIN_SAMPLES, OFF, LoadPolicy
 
 LABELS = [OFF, "chain:1", "chain:2", "chain:4"]
 DEPTHS = {OFF: 0, "chain:1": 1, "chain:2": 2, "chain:4": 4}
+SPECS = {label: chain(k) for label, k in DEPTHS.items() if k}
 # seconds per round at each occupancy bucket: drafting pays at 1-4 rows, not at 8 (verification is no longer free)
 ROUND_MS = {1: {OFF: 6, "chain:1": 7, "chain:2": 8, "chain:4": 9},
             4: {OFF: 8, "chain:1": 10, "chain:2": 11, "chain:4": 15},
@@ -17,12 +19,12 @@ ROUND_MS = {1: {OFF: 6, "chain:1": 7, "chain:2": 8, "chain:4": 9},
 
 
 def policy(acceptance=0.9) -> LoadPolicy:
-    p = LoadPolicy(LABELS, DEPTHS)
+    p = LoadPolicy(LABELS, SPECS)
     for nb, costs in ROUND_MS.items():
         for label, ms in costs.items():
             p.round_s[(nb, label)].add(ms / 1e3)
-    offered = np.full(4, 1000)
-    p.learn(offered, (offered * acceptance ** np.arange(1, 5)).astype(int))
+    rounds = 100_000  # of chain:4: depth d's draft verified (accepted by the target) in acceptance^d of them
+    p.learn("chain:4", (rounds * acceptance ** np.arange(1, 5))[:, None], rounds)
     return p
 
 
@@ -95,10 +97,54 @@ def test_a_shape_that_measures_worse_than_off_is_dropped_and_left_at_once():
 
 
 def test_an_untimed_bucket_runs_each_shape_once_before_choosing():
-    p = LoadPolicy(LABELS, DEPTHS)
+    p = LoadPolicy(LABELS, SPECS)
     seen = set()
     for _ in range(len(LABELS)):
         label = p.choose(2, 2, None)
         seen.add(label)
         p.record(2, 2, label, 4, 8, 0.04)
     assert seen == set(LABELS)
+
+
+def test_learns_each_ranks_acceptance_from_a_tree_and_prices_trees_with_it():
+    """Chunks of kary:3,2,1 whose drafts the target accepts with p = [0.6, 0.2, 0.1] by sibling rank at every depth:
+    the policy measures p back, and its tau for that tree, a chain and a one-pass dynamic tree is the planner's
+    expected tau under p (the dynamic tree's: of the tree the best-first rule grows on p)."""
+    from specjax.decoding.tree import DynamicTreeSpec, parse_tree
+    from specjax.planning.block_trees import expected_template
+    from specjax.planning.planner import expected_tau
+
+    tree, dynamic = parse_tree("kary:3,2,1", None), DynamicTreeSpec(3, 3, 10)
+    specs = {"chain:3": chain(3), "tree:kary:3,2,1": tree, "dynamic": dynamic}
+    p = LoadPolicy([OFF, *specs], specs)
+    p_R, rounds = np.array([0.6, 0.2, 0.1]), 100_000
+    verified_DR = np.zeros((3, 3))
+    verified_DR[0] = rounds * p_R  # the root has 3 children
+    verified_DR[1, :2] = verified_DR[0].sum() * p_R[:2]  # each depth-1 node 2
+    verified_DR[2, :1] = verified_DR[1].sum() * p_R[:1]  # each depth-2 node 1
+    p.learn("tree:kary:3,2,1", verified_DR, rounds)
+    np.testing.assert_allclose(p.acceptance(), np.tile(p_R, (len(p.acceptance()), 1)), rtol=1e-9)
+    for label, spec in specs.items():
+        want = expected_tau(expected_template(spec, p_R[None]) if label == "dynamic" else spec, p_R[None])
+        assert abs(p.tau(label) - want) < 1e-9, label
+    assert p.tau("tree:kary:3,2,1") > p.tau("chain:3")
+
+
+def test_a_tree_at_light_load_and_off_under_load():
+    """Drafts right 60% of the time (the rank-1 guess 20%): the tree's extra nodes cost little at one row and much
+    at eight, so the policy takes the tree at 1, off at 8, and a chain in between."""
+    from specjax.decoding.tree import parse_tree
+
+    specs = {"chain:3": chain(3), "tree": parse_tree("kary:3,2,1", None)}
+    costs_ms = {1: {OFF: 6, "chain:3": 8, "tree": 8.5}, 4: {OFF: 8, "chain:3": 11, "tree": 20},
+                8: {OFF: 10, "chain:3": 25, "tree": 60}}
+    p = LoadPolicy([OFF, *specs], specs)
+    for nb, costs in costs_ms.items():
+        for label, ms in costs.items():
+            p.round_s[(nb, label)].add(ms / 1e3)
+    rounds = 100_000
+    p.learn("chain:3", (rounds * 0.6 ** np.arange(1, 4))[:, None], rounds)
+    verified_DR = np.zeros((3, 3))
+    verified_DR[0] = rounds * np.array([0.6, 0.2, 0.1])
+    p.learn("tree", verified_DR, rounds)  # depth 1's ranks (deeper depths: as depth 1)
+    assert [p.choose(nb, nb, None) for nb in (1, 4, 8)] == ["tree", "chain:3", OFF]

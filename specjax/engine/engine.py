@@ -40,7 +40,7 @@ from specjax.decoding.stream import RowText, StreamChunk, finish_reason
 from specjax.decoding.tree import DynamicTreeSpec, parse_tree
 from specjax.engine import slots as ops
 from specjax.engine.handle import RequestHandle, RequestOutput
-from specjax.engine.policy import OFF, LoadPolicy
+from specjax.engine.policy import OFF, LoadPolicy, shape_size
 from specjax.generate import _options, _sampling
 from specjax.models.sharding import axis_size, use_mesh
 from specjax.models.target import Target
@@ -138,7 +138,7 @@ class Engine:
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
                  num_draft_tokens="auto", tree=None, logprobs: int | None = None, penalties: bool = False,
                  sampling: bool = True, max_prefill_batch: int = 4, prefill_tokens_per_gap: int = 4096,
-                 auto_chains: Sequence[int] = AUTO_CHAINS, scheduler: str | None = None,
+                 auto_chains: Sequence[int] = AUTO_CHAINS, auto_trees: Sequence[str] = (), scheduler: str | None = None,
                  scheduler_profile=None, prefill_chunk: int = 512):
         if not isinstance(target, Target):
             raise TypeError(f"Engine's first argument must be a specjax Target, got {type(target).__name__}")
@@ -168,7 +168,7 @@ class Engine:
             max_prefill_batch = -(-max_prefill_batch // self.data) * self.data
         self.max_top_logprobs, self.penalties, self.sampling = logprobs, penalties, sampling
         self.max_prefill_batch, self.prefill_tokens_per_gap = max_prefill_batch, prefill_tokens_per_gap
-        self.labels, specs = _shapes(drafter, num_draft_tokens, tree, auto_chains)
+        self.labels, specs = _shapes(drafter, num_draft_tokens, tree, auto_chains, auto_trees)
         if drafter is not None:
             check_drafter_argument(drafter)
             check_drafter_fits(drafter, target)
@@ -185,7 +185,7 @@ class Engine:
         nodes = max((s.cache_slots for s in specs.values()), default=0)
         self.cache_len = round_cache_length(max(max_len + nodes, bucket(max_len - 1)))  # holds any prompt bucket
         self.out_len = max_len
-        self.depth = max((s.max_depth for s in specs.values()), default=1)
+        self.depth, self.ranks = shape_size(specs.values())  # what the acceptance counts hold: depths, sibling ranks
         self.lc = {sampled: LoopConfig(target.cfg, sampled, self.out_len, self.cache_len, target.attn_impl,
                                        penalties=penalties, logprobs=-1 if logprobs is None else logprobs)
                    for sampled in ((False, True) if sampling else (False,))}
@@ -193,7 +193,7 @@ class Engine:
         # hold one drafter state whatever shape the next chunk runs.
         self.configured = {(label, sampled): self._configure(specs[label], sampled)
                            for label in specs for sampled in self.lc}
-        self.policy = LoadPolicy(self.labels, {lb: (0 if lb == OFF else specs[lb].max_depth) for lb in self.labels})
+        self.policy = LoadPolicy(self.labels, specs)
         self._prefill_drafter = self.configured.get((_first_spec(self.labels), max(self.lc)))
         self._trace_axes()
         self.memory = self._check_memory()
@@ -206,6 +206,7 @@ class Engine:
         self._last_read: float | None = None  # when the host last finished reading a chunk (its device time's start)
         self._last_step: int | None = None  # the slots' round counter at that read
         self._depth_base = (0, 0)  # per-depth counts before the first request (warmup's dummies)
+        self._last_counts = (0, 0)  # verified drafts per (depth, rank) and row-rounds at the last read: per chunk
         self._offered_D = self._accepted_D = np.zeros((0,), np.int64)  # drafts offered / accepted per depth since
         # host mirrors of the slots' per-row settings
         self._rows = _empty_rows(max_slots)
@@ -463,6 +464,8 @@ class Engine:
                     self._warmup()
                     # the dummies' drafts are no one's acceptance: counted from here on
                     self._depth_base = jax.device_get((self._slots.stats.offered_D, self._slots.stats.accepted_D))
+                    self._last_counts = jax.device_get((self._slots.stats.verified_rank_DR,
+                                                        self._slots.stats.row_rounds))
                     self.warmed_up = True
                     warm.set()
                     self._warmup_requested = None
@@ -582,7 +585,7 @@ class Engine:
         piece[0, :rest] = a.ids[a.offset:]
         req = a.req
         self._slots = self._exec(("finish", p, t), ops.finish_prefill, donate=2, lc=lc, drafter=self._prefill_drafter,
-                                 depth=self.depth, axes=self.axes, cache_axes=self.cache_axes)(
+                                 depth=self.depth, ranks=self.ranks, axes=self.axes, cache_axes=self.cache_axes)(
             self.target.params, self._draft_params(), self._slots, jnp.int32(a.slot), piece,
             np.full((1,), rest, np.int32), jnp.int32(a.offset), a.features, ids, np.full((1,), n, np.int32),
             req.max_new_B[:1], req.seeds_B[:1], req.fold_B[:1], _as_rows(req.rows, 1))
@@ -618,7 +621,8 @@ class Engine:
             _set_row(self._rows, slot, a.req.rows, 0)
         sampled = max(self.lc)
         new = self._exec(("prefill", pb, length), ops.prefill, lc=self.lc[sampled], drafter=self._prefill_drafter,
-                         depth=self.depth)(self.target.params, self._draft_params(), prompt_BT, prompt_len_B,
+                         depth=self.depth, ranks=self.ranks)(self.target.params, self._draft_params(), prompt_BT,
+                                                             prompt_len_B,
                                            max_new_B, seeds_B, fold_B, _as_rows(rows))
         self._slots = self._exec(("insert", pb), ops.insert, donate=0, axes=self.axes)(self._slots, new,
                                                                                        jnp.asarray(dst))
@@ -690,7 +694,9 @@ class Engine:
             if now - since < CHUNK_TARGET_S:
                 self._rounds = min(2 * self._rounds, MAX_ROUNDS)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
-        self.policy.learn(self._offered_D, self._accepted_D)
+        self.policy.learn(label, stats.verified_rank_DR - self._last_counts[0],
+                          int(stats.row_rounds) - int(self._last_counts[1]))
+        self._last_counts = (stats.verified_rank_DR, stats.row_rounds)
         self._counters["chunks"] += 1
         self._counters["tokens_emitted"] += tokens
 
@@ -825,14 +831,15 @@ class Engine:
 
     def _prefill_shapes(self, b: int, drafter) -> Any:
         with use_mesh(self.mesh):
-            return jax.eval_shape(partial(ops.prefill, lc=self.lc[max(self.lc)], drafter=drafter, depth=self.depth),
+            return jax.eval_shape(partial(ops.prefill, lc=self.lc[max(self.lc)], drafter=drafter, depth=self.depth,
+                                          ranks=self.ranks),
                                   *self._prefill_args(b))
 
     def _fresh_slots(self):
         """All slots empty (done, no budget)."""
         with use_mesh(self.mesh):
             return jax.jit(partial(ops.prefill, lc=self.lc[max(self.lc)], drafter=self._prefill_drafter,
-                                   depth=self.depth))(*self._prefill_args(self.max_slots))
+                                   depth=self.depth, ranks=self.ranks))(*self._prefill_args(self.max_slots))
 
     def _check_memory(self) -> dict[str, float]:
         """What the slots will hold (their exact shapes, traced) and the prefill's scratch, against the device's free
@@ -968,7 +975,8 @@ class _Counted:
         return out
 
 
-def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tuple[list[str], dict]:
+def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int], auto_trees: Sequence[str] = ()
+            ) -> tuple[list[str], dict]:
     """The engine's candidate shapes: labels in order and their tree specs ("off" has none)."""
     if drafter is None:
         if num_draft_tokens not in ("auto", "off", None) or tree is not None:
@@ -986,17 +994,28 @@ def _shapes(drafter, num_draft_tokens, tree, auto_chains: Sequence[int]) -> tupl
         if not auto_chains or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in auto_chains):
             raise ValueError(f"auto_chains must be a non-empty list of positive chain lengths, got {auto_chains!r}")
         specs = {f"chain:{k}": parse_tree(None, k) for k in sorted(set(auto_chains))}
+        if isinstance(auto_trees, str):
+            raise ValueError(f"auto_trees is a list of tree specs, got the string {auto_trees!r}: pass [{auto_trees!r}]")
+        for text in auto_trees:
+            spec = parse_tree(text, None)
+            specs.setdefault(_label(spec, text), spec)
         return [OFF, *specs], specs
+    if auto_trees:
+        raise ValueError(f"auto_trees={list(auto_trees)!r} adds trees to what num_draft_tokens='auto' chooses among; "
+                         f"with num_draft_tokens={num_draft_tokens!r} the shape is fixed: pass 'auto', or tree= alone")
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be 'auto', 'off' or a positive int K, got {num_draft_tokens!r}")
     spec = parse_tree(None, num_draft_tokens)
     return [_label(spec)], {_label(spec): spec}
 
 
-def _label(spec) -> str:
+def _label(spec, text: str | None = None) -> str:
+    """A shape's name in stats and the policy: its chain length, its dynamic spec, or the tree as it was given."""
     if isinstance(spec, DynamicTreeSpec):
         return f"dynamic:top_k={spec.top_k},depth={spec.depth},total_tokens={spec.total_tokens}"
-    return f"chain:{spec.num_nodes - 1}" if spec.is_chain else f"tree:{spec.num_nodes}n/d{spec.max_depth}"
+    if spec.is_chain:
+        return f"chain:{spec.num_nodes - 1}"
+    return f"tree:{text}" if isinstance(text, str) else f"tree:{spec.num_nodes}n/d{spec.max_depth}"
 
 
 def _first_spec(labels: list[str]) -> str:

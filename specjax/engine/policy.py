@@ -3,9 +3,14 @@
 Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / round_s(nb, shape):
 - round_s, seconds per round of the compiled chunk at bucket nb, timed by `Engine.warmup` and then updated from
   every chunk the engine runs (an exponential average of its wall time over its rounds);
-- tau, tokens a row emits per round, from the per-depth acceptance the engine counts online (a chain of K emits
-  1 + a_1 + ... + a_K, a_d the chance its depth-d draft is emitted; depths not yet run continue the last measured
-  ratio a_d / a_(d-1); before any data a prior of 0.7 per depth);
+- tau, tokens a row emits per round, from the planner's positional acceptance model (planning/planner.py): p[d][r]
+  = P(the rank-r draft at depth d + 1 is accepted | its parent was), counted online across every chunk whatever its
+  shape (verified drafts per (depth, rank) over their opportunities, planning/calibration.py `opportunities`), so
+  a chain's runs price every chain and every tree's spine, and a tree's runs price its side branches. A chain of K
+  emits 1 + p_1 + p_1 p_2 + ... ; a tree the sum of its nodes' reach (`expected_tau`); a one-pass dynamic tree the
+  reach of the tree the best-first rule grows on p (planning/block_trees.py `expected_template`). Where a (depth,
+  rank) has too few opportunities yet: a deeper depth continues the deepest measured one; rank 0 before any data
+  is PRIOR_ACCEPTANCE; rank r > 0 takes RANK_PRIOR of the probability the ranks before it leave;
 - "off" emits one token per row per step.
 Hysteresis, in size and in time: the shape in use is kept while its prediction is within `hysteresis` of the best,
 and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
@@ -22,9 +27,15 @@ from collections import defaultdict
 
 import numpy as np
 
+from specjax.decoding.tree import DynamicTreeSpec, TreeSpec, child_ranks
+from specjax.planning.block_trees import expected_template
+from specjax.planning.calibration import opportunities
+from specjax.planning.planner import expected_tau
+
 OFF = "off"
-PRIOR_ACCEPTANCE = 0.7
-MIN_OFFERED = 16  # nodes offered at a depth before its measured acceptance replaces the prior
+PRIOR_ACCEPTANCE = 0.7  # rank 0's acceptance before any is measured
+RANK_PRIOR = 0.3  # an unmeasured rank r > 0: this share of what the ranks before it leave (sum p <= 1)
+MIN_OFFERED = 16  # opportunities of a (depth, rank) before its measured acceptance replaces the prior
 MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
 DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
 EMA = 0.2  # weight of a new chunk in the running averages
@@ -41,33 +52,73 @@ class Average:
         self.samples += 1
 
 
-class LoadPolicy:
-    """Chooses among `labels` ("off", "chain:K"); `depths[label]` is a chain's K (0 for off)."""
+def shape_size(specs) -> tuple[int, int]:
+    """(depths, ranks) that every shape's acceptance counts fit: the deepest shape, the most children of a node."""
+    depth, ranks = 1, 1
+    for spec in specs:
+        if isinstance(spec, DynamicTreeSpec):
+            depth, ranks = max(depth, spec.max_depth), max(ranks, spec.top_k)
+        elif spec.num_nodes > 1:
+            depth, ranks = max(depth, spec.max_depth), max(ranks, max(child_ranks(spec)) + 1)
+    return depth, ranks
 
-    def __init__(self, labels: list[str], depths: dict[str, int], hysteresis: float = 0.05, dwell: int = DWELL):
-        self.labels, self.depths, self.hysteresis, self.dwell = list(labels), dict(depths), hysteresis, dwell
+
+class LoadPolicy:
+    """Chooses among `labels`: "off" and the shapes of `specs` (label -> TreeSpec or DynamicTreeSpec)."""
+
+    def __init__(self, labels: list[str], specs: dict, hysteresis: float = 0.05, dwell: int = DWELL):
+        self.labels, self.specs, self.hysteresis, self.dwell = list(labels), dict(specs), hysteresis, dwell
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
         self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)
         self.dropped: set[tuple[int, str]] = set()
-        self.acceptance = np.zeros(0)  # a_d, d = 1..
+        depth, ranks = shape_size(self.specs.values())
+        self.verified_DR = np.zeros((depth, ranks))  # drafts the target accepted, per (depth, rank)
+        self.offered_DR = np.zeros((depth, ranks))  # their opportunities (offered under an accepted parent)
 
-    def learn(self, offered_D: np.ndarray, accepted_D: np.ndarray) -> None:
-        """Per-depth acceptance from the engine's cumulative counts (depths offered too rarely stay unknown)."""
-        known = np.asarray(offered_D) >= MIN_OFFERED
-        a = np.where(known, np.asarray(accepted_D) / np.maximum(offered_D, 1), np.nan)
-        self.acceptance = a[: int(np.argmin(known)) if not known.all() else len(a)]
+    def learn(self, label: str, verified_DR: np.ndarray, row_rounds: int) -> None:
+        """One chunk's acceptance: its verified drafts per (depth, rank) over `row_rounds` active row-rounds of
+        shape `label` (a dynamic tree's opportunities are those of the tree expected from what is known so far)."""
+        spec = self.specs.get(label)
+        if spec is None or row_rounds <= 0:
+            return
+        tree = expected_template(spec, self.acceptance()) if isinstance(spec, DynamicTreeSpec) else spec
+        d, r = self.verified_DR.shape
+        v_DR = np.zeros((d, r))
+        got = np.asarray(verified_DR, np.float64)[:d, :r]
+        v_DR[:got.shape[0], :got.shape[1]] = got
+        self.verified_DR += v_DR
+        self.offered_DR += opportunities(tree, v_DR, row_rounds)
+
+    def acceptance(self) -> np.ndarray:
+        """p [D, R]: measured where offered at least MIN_OFFERED times, else the priors (module docstring)."""
+        depth, ranks = self.verified_DR.shape
+        known_DR = self.offered_DR >= MIN_OFFERED
+        measured_DR = np.where(known_DR, self.verified_DR / np.maximum(self.offered_DR, 1), np.nan)
+        p_DR = np.zeros((depth, ranks))
+        for d in range(depth):
+            for r in range(ranks):
+                if known_DR[d, r]:
+                    p = measured_DR[d, r]
+                elif d > 0:  # deeper than measured: as the depth above
+                    p = p_DR[d - 1, r]
+                elif r == 0:
+                    p = PRIOR_ACCEPTANCE
+                else:
+                    p = RANK_PRIOR * max(0.0, 1.0 - p_DR[d, :r].sum())
+                p_DR[d, r] = p
+            total = p_DR[d].sum()
+            if total > 1:  # sibling guesses are exclusive; counting noise must not say otherwise
+                p_DR[d] /= total
+        return p_DR
 
     def tau(self, label: str) -> float:
-        k = self.depths[label]
-        a = list(self.acceptance[:k])
-        while len(a) < k:
-            if not a:
-                a.append(PRIOR_ACCEPTANCE)
-            else:
-                ratio = a[-1] / a[-2] if len(a) >= 2 and a[-2] > 0 else a[-1]
-                a.append(a[-1] * min(ratio, 1.0))
-        return 1.0 + float(np.sum(a))
+        spec = self.specs.get(label)
+        if spec is None:
+            return 1.0
+        p_DR = self.acceptance()
+        tree = expected_template(spec, p_DR) if isinstance(spec, DynamicTreeSpec) else spec
+        return expected_tau(tree, p_DR)
 
     def predicted(self, nb: int, live: int, label: str) -> float | None:
         """Tokens per second at `live` rows, or None while this bucket's round time is unknown."""
@@ -108,6 +159,9 @@ class LoadPolicy:
             self.dropped.add((nb, label))
 
     def summary(self) -> dict:
-        return {"acceptance_at_depth": [float(x) for x in self.acceptance],
+        p_DR = self.acceptance()
+        return {"acceptance_at_depth": [float(x) for x in np.cumprod(p_DR[:, 0])],  # a chain's draft d is emitted
+                "acceptance_depth_rank": [[float(x) for x in row] for row in p_DR],
+                "tau": {label: self.tau(label) for label in self.labels},
                 "round_ms": {f"{nb}/{label}": a.value * 1e3 for (nb, label), a in sorted(self.round_s.items())},
                 "dropped": sorted(f"{nb}/{label}" for nb, label in self.dropped)}

@@ -33,23 +33,30 @@ from specjax.models.model import merge
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """Acceptance counts across draft shapes: per row since its request was inserted, per depth since the start."""
+    """Acceptance counts across draft shapes: per row since its request was inserted; per depth, per (depth, sibling
+    rank) and in row-rounds since the start (the load policy's acceptance, learned from every chunk's increment)."""
 
     rounds_B: jax.Array  # int32 [B]: speculative rounds the row was active in
     emitted_B: jax.Array  # int32 [B]: tokens emitted in those rounds
     accepted_B: jax.Array  # int32 [B]: emitted tokens that were drafts
     offered_D: jax.Array  # int32 [D]: draft nodes offered at depth d + 1
     accepted_D: jax.Array  # int32 [D]: drafts accepted and emitted at depth d + 1
+    verified_rank_DR: jax.Array  # int32 [D, R]: drafts at depth d + 1, rank r among siblings, the target accepted
+    row_rounds: jax.Array  # int32 []: active row-rounds (each row's rounds, summed)
 
     @classmethod
-    def zeros(cls, batch: int, depth: int) -> "EngineStats":
+    def zeros(cls, batch: int, depth: int, ranks: int) -> "EngineStats":
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(depth), z(depth))
+        return cls(z(batch), z(batch), z(batch), z(depth), z(depth), z(depth, ranks), z())
 
     def add(self, s: SpecStats) -> "EngineStats":
         pad = lambda x: jnp.pad(x, (0, self.offered_D.shape[0] - x.shape[0]))  # noqa: E731
+        d, r = self.verified_rank_DR.shape
+        verified_DR = s.verified_rank_DR[:d, :r]
+        verified_DR = jnp.pad(verified_DR, ((0, d - verified_DR.shape[0]), (0, r - verified_DR.shape[1])))
         return EngineStats(self.rounds_B + s.rounds_B, self.emitted_B + s.emitted_B, self.accepted_B + s.accepted_B,
-                           self.offered_D + pad(s.offered_D), self.accepted_D + pad(s.accepted_D))
+                           self.offered_D + pad(s.offered_D), self.accepted_D + pad(s.accepted_D),
+                           self.verified_rank_DR + verified_DR, self.row_rounds + jnp.sum(s.rounds_B))
 
 
 @jax.tree_util.register_dataclass
@@ -78,13 +85,13 @@ def slots_of(state: SpecState, stats: EngineStats) -> Slots:
 
 
 def prefill(params, draft_params, prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, rows: RowSettings, *,
-            lc: LoopConfig, drafter: Drafter | None, depth: int) -> Slots:
+            lc: LoopConfig, drafter: Drafter | None, depth: int, ranks: int) -> Slots:
     """Prefill new requests (their first token, the drafter's init): rows ready to insert into the slots."""
     keys_B, cache, first, dstate = start_rows(merge(lc.model, params), lc, rows, drafter, draft_params, prompt_BT,
                                               prompt_len_B, max_new_B, seeds_B, fold_B)
     zeros_BO = jnp.zeros_like(first.out_BO)
     return Slots(jnp.int32(0), cache, first.tok_B, first.out_BO, zeros_BO, zeros_BO, first.count_B, first.done_B,
-                 dstate, keys_B, first.counts, first.logprobs, EngineStats.zeros(prompt_BT.shape[0], depth))
+                 dstate, keys_B, first.counts, first.logprobs, EngineStats.zeros(prompt_BT.shape[0], depth, ranks))
 
 
 def batch_axes(shapes_small, shapes_large) -> tuple[int | None, ...]:
@@ -223,7 +230,7 @@ def extend(params, slots: Slots, slot, piece_1C, offset, features, *, lc: LoopCo
 
 def finish_prefill(params, draft_params, slots: Slots, slot, piece_1T, piece_len_1, offset, features, prompt_1P,
                    prompt_len_1, max_new_1, seeds_1, fold_1, rows: RowSettings, *, lc: LoopConfig,
-                   drafter: Drafter | None, depth: int, axes: tuple, cache_axes: tuple):
+                   drafter: Drafter | None, depth: int, ranks: int, axes: tuple, cache_axes: tuple):
     """The last piece of a long prompt: then, as a whole prefill would, the first token (penalty counts over the
     whole prompt) and the drafter's init over the whole prompt and its features; the row is inserted, decoding."""
     model = merge(lc.model, params)
@@ -236,5 +243,5 @@ def finish_prefill(params, draft_params, slots: Slots, slot, piece_1T, piece_len
                                            prompt_len_1, max_new_1, seeds_1, fold_1)
     zeros_1O = jnp.zeros_like(first.out_BO)
     new = Slots(jnp.int32(0), row, first.tok_B, first.out_BO, zeros_1O, zeros_1O, first.count_B, first.done_B, dstate,
-                keys_1, first.counts, first.logprobs, EngineStats.zeros(1, depth))
+                keys_1, first.counts, first.logprobs, EngineStats.zeros(1, depth, ranks))
     return insert(slots, new, slot[None], axes)

@@ -11,6 +11,7 @@ Both models' tau for the calibration shape are reported next to the measured tau
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -52,6 +53,38 @@ class Calibration:
         return d
 
 
+def opportunities(spec: TreeSpec, verified_DR: np.ndarray, rounds: float) -> np.ndarray:
+    """[D, R] how often the draft of rank r at depth d + 1 was offered under an accepted parent, over `rounds`
+    row-rounds of the static tree `spec` whose verified (accepted by the target) drafts per (depth, rank) are
+    verified_DR [D, R]: rank r at depth 1 is offered every round the root has more than r children; at depth d,
+    whenever the accepted depth-(d-1) node had more than r children. The counts give the accepted node's rank at
+    each depth, not its index, so nodes of one (depth, rank) are taken to have equally many children on average
+    (exact for chains, k-ary trees and caterpillars)."""
+    depth_n, rank_n = verified_DR.shape
+    share_DQR = _children_share(spec, depth_n, rank_n)
+    opp_DR = np.zeros((depth_n, rank_n))
+    opp_DR[0] = rounds * share_DQR[0, 0]
+    opp_DR[1:] = np.einsum("dq,dqr->dr", np.asarray(verified_DR, np.float64)[:-1], share_DQR[1:])
+    return opp_DR
+
+
+@functools.lru_cache(maxsize=64)
+def _children_share(spec: TreeSpec, depth_n: int, rank_n: int) -> np.ndarray:
+    """[D, Q, R]: over the nodes at depth d of sibling rank q (the root: d = 0, q = 0), the share with more than r
+    children (0 where no such node)."""
+    ranks, depths = child_ranks(spec), spec.depths
+    kids = np.zeros(spec.num_nodes, np.int64)
+    for i in range(1, spec.num_nodes):
+        kids[spec.parents[i]] += 1
+    share = np.zeros((depth_n, rank_n, rank_n))
+    for d in range(min(depth_n, spec.max_depth)):
+        for q in range(rank_n):
+            nodes = [i for i in range(spec.num_nodes) if depths[i] == d and (ranks[i] == q or i == 0)]
+            if nodes:
+                share[d, q] = [np.mean(kids[nodes] > r) for r in range(rank_n)]
+    return share
+
+
 def acceptance_from_stats(stats: dict[str, Any], spec: TreeSpec) -> Calibration:
     """Estimate positional acceptance from `out.stats` of a run that used the static tree `spec`.
 
@@ -74,20 +107,7 @@ def acceptance_from_stats(stats: dict[str, Any], spec: TreeSpec) -> Calibration:
         raise ValueError(f"statistics cover depth {acc_DR.shape[0]} but the shape is {depth_n} deep: pass the "
                          f"tree the run actually used")
     acc_DR = acc_DR[:depth_n, :rank_n]
-    ranks, depths = child_ranks(spec), spec.depths
-    kids = np.zeros(spec.num_nodes, np.int64)
-    for i in range(1, spec.num_nodes):
-        kids[spec.parents[i]] += 1
-    opp_DR = np.zeros((depth_n, rank_n))
-    for d in range(1, depth_n + 1):
-        for r in range(rank_n):
-            if d == 1:
-                opp_DR[0, r] = rounds * (kids[0] > r)
-                continue
-            for q in range(rank_n):  # the accepted depth-(d-1) node had rank q this many times
-                nodes = [i for i in range(spec.num_nodes) if depths[i] == d - 1 and ranks[i] == q]
-                if nodes:
-                    opp_DR[d - 1, r] += acc_DR[d - 2, q] * np.mean([kids[i] > r for i in nodes])
+    opp_DR = opportunities(spec, acc_DR, rounds)
     with np.errstate(invalid="ignore", divide="ignore"):
         p_DR = np.where(opp_DR > 0, acc_DR / np.maximum(opp_DR, 1e-300), np.nan)
         p_R = acc_DR.sum(0) / np.maximum(opp_DR.sum(0), 1e-300)
