@@ -94,8 +94,8 @@ class Engine:
             plainly.
         max_slots: requests decoding at once; a multiple of the mesh's data-parallel size.
         max_len: the most positions a request may use, prompt plus max_new_tokens.
-        num_draft_tokens: "auto" (off and chains of `auto_chains` drafts, chosen per chunk from the live
-            occupancy), K (a fixed chain of K drafts), or "off".
+        num_draft_tokens: "auto" (off, chains of `auto_chains` drafts and the trees of `auto_trees`, chosen per
+            chunk from the live occupancy), K (a fixed chain of K drafts), or "off".
         tree: a fixed tree spec instead of a chain, as `generate` takes it.
         logprobs: the most top logprobs a request may ask (0: each token's own logprob only; None: requests may not
             ask logprobs). Computing them costs every round.
@@ -106,6 +106,9 @@ class Engine:
         prefill_tokens_per_gap: prompt tokens prefilled per gap (at least one request, or one piece of a long
             prompt).
         auto_chains: the chain lengths "auto" chooses among, besides off.
+        auto_trees: tree specs "auto" chooses among too (static trees as `generate` takes them, e.g.
+            "kary:3,2,1", or one-pass dynamic trees); none by default, since each adds an executable per occupancy
+            bucket.
         scheduler: "confidence" or "prefix" (with a drafter that reports confidences, e.g. DSpark, and a fixed
             chain): each round verifies only the drafts worth their cost across all live slots, decided from the
             drafter's confidences alone (lossless).
@@ -118,11 +121,11 @@ class Engine:
     Raises:
         TypeError: `target` is not a Target, or `drafter` is not a loaded drafter (a path, a Target).
         ValueError: a size that is not a positive int, a `prefill_chunk` that is not a power of two >= 16, a bad
-            `logprobs`, `num_draft_tokens`, `tree` or `auto_chains` (or a shape without a drafter), a drafter whose
-            vocabulary or hidden-state taps do not fit the target, a `scheduler` without a confidence drafter and
-            a fixed chain, candidate shapes whose drafter states differ, `max_slots` not a multiple of the
-            data-parallel size, or slots that do not fit the device's free memory (the message says which
-            max_slots would).
+            `logprobs`, `num_draft_tokens`, `tree`, `auto_chains` or `auto_trees` (or a shape without a drafter,
+            or `auto_trees` with a fixed shape), a drafter whose vocabulary or hidden-state taps do not fit the
+            target, a `scheduler` without a confidence drafter and a fixed chain, candidate shapes whose drafter
+            states differ, `max_slots` not a multiple of the data-parallel size, or slots that do not fit the
+            device's free memory (the message says which max_slots would).
 
     Example:
         ```python
@@ -372,7 +375,8 @@ class Engine:
             (the slots' byte plan), offered_at_depth and accepted_at_depth (drafts per depth, warmup's excluded),
             the counters chunks, prefills,
             prefill_rows, chunked_prefills, catch_up_rows, tokens_emitted, requests_finished, requests_aborted, and
-            the policy's acceptance_at_depth, round_ms (per "bucket/shape") and dropped shapes.
+            the policy's acceptance_at_depth (a chain's), acceptance_depth_rank (p[depth][rank]), tau (per shape),
+            round_ms (per "bucket/shape") and dropped shapes.
         """
         with self._lock:
             live = sum(a is not None and not a.finished for a in self._live)
