@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The CPU measurements behind the README's design notes, side by side in one run.
+"""The CPU measurements behind docs/architecture.md's measured design decisions, side by side in one run.
 
 1. Memory read bandwidth: a numpy sum and a jitted 384 x 32000 matvec (the roofline batch-1 decode faces).
 2. Six 384x1024 + 1024x384 matvec layers: weights stacked (scanned) vs one array per layer.

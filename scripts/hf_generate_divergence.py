@@ -3,8 +3,8 @@
 
 For each held-out prompt: specjax's and transformers' greedy continuations (64 tokens, EOS off, the target
 exported with `specjax export`); at the first differing position, the full-sequence logits of transformers'
-own forward pass on the shared prefix: its argmax, the two chosen tokens' logits and their gap. The README's
-peer row quotes these figures.
+own forward pass on the shared prefix: its argmax, the two chosen tokens' logits and their gap. docs/benchmarks.md
+(the drafter families' table, its peer note) quotes these figures.
 
     python scripts/hf_generate_divergence.py [--attn eager|sdpa]
 """

@@ -1,7 +1,7 @@
 """The collectives XLA's partitioner puts in the plain loop of a tiny target split over a mesh, by kind and shape.
 
 What the sharding rules cost in communication, read from the compiled executable (no timing: on fake CPU
-devices it would mean nothing). docs/architecture.md (Multi-device) quotes it for the MoE choice between
+devices it would mean nothing). docs/architecture_devices.md quotes it for the MoE choice between
 splitting inside the experts (the default rules) and whole experts per device (EXPERT_PARALLEL), and for the
 DeltaNet's packed channels.
 

@@ -136,6 +136,43 @@ class ModelConfig:
     its full-attention layers gate their output (`attn_output_gate`) and rotate only the first
     `rotary_dim` dims of each head, and every RMSNorm but the DeltaNet's output norm is zero-centred
     (`norm_offset`: x * (1 + w)).
+
+    A loaded target carries its own (`target.cfg`); `from_hf` reads one from a Hugging Face config.json. Frozen and
+    hashable: it is part of every compiled loop's key.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (rows of the embedding, columns of the lm_head).
+        hidden_size: the residual stream's width D.
+        intermediate_size: the dense SwiGLU MLP's width (0 for Qwen3.5-MoE, which has no dense MLP).
+        num_layers: decoder layers.
+        num_heads: query heads of a full-attention layer.
+        num_kv_heads: key/value heads (grouped-query attention: `num_heads` is a multiple of it).
+        head_dim: width of one attention head.
+        rms_norm_eps: the RMSNorms' epsilon.
+        rope: the rotary embedding: its base and scaling (`RopeConfig`).
+        tie_word_embeddings: the lm_head is the embedding's transpose.
+        qkv_bias: q/k/v projections carry biases (Qwen2).
+        qk_norm: per-head RMSNorm of queries and keys (Qwen3).
+        max_position_embeddings: the longest context the checkpoint declares.
+        sliding_window: the attention window the config declares, or None.
+        bos_token_id: the beginning-of-sequence token, or None.
+        eos_token_ids: the config's end-of-sequence tokens.
+        family: the architecture family ("llama", "mistral", "qwen2", "mimo", "qwen3", "qwen3_5", "qwen3_moe",
+            "qwen3_5_moe", "qwen3_next").
+        dtype: the weights' dtype name ("float32", "bfloat16", "float16").
+        layer_types: per layer "full_attention" or "linear_attention" (a hybrid); empty: every layer attends.
+        linear: the Gated DeltaNet layers' shape (a hybrid), else None.
+        partial_rotary_factor: the fraction of each head's dims RoPE rotates (`rotary_dim`).
+        attn_output_gate: full attention gates its output by sigmoid(x @ wg) (Qwen3.5).
+        norm_offset: zero-centred RMSNorms, x * (1 + w) (Qwen3.5).
+        moe: the mixture-of-experts MLP of the sparse layers, or None (dense).
+
+    Example:
+        ```python
+        import json
+        cfg = specjax.ModelConfig.from_hf(json.load(open("Llama-3.2-1B/config.json")))
+        cfg.num_params(), cfg.attention_layers
+        ```
     """
 
     vocab_size: int
@@ -165,10 +202,18 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers among the attention layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
         return self.linear is not None
 
     def is_sparse(self, i: int) -> bool:
-        """Whether layer i's MLP is the mixture of experts."""
+        """Whether layer i's MLP is the mixture of experts.
+
+        Args:
+            i: a layer index, 0 .. num_layers - 1.
+
+        Returns:
+            True when the config has an MoE and layer i is one of its sparse layers.
+        """
         return self.moe is not None and i in self.moe.sparse_layers
 
     @property
@@ -183,6 +228,14 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_type(self, i: int) -> str:
+        """Layer i's mixer: "full_attention" (a KV cache) or "linear_attention" (a Gated DeltaNet layer).
+
+        Args:
+            i: a layer index, 0 .. num_layers - 1.
+
+        Returns:
+            One of LAYER_TYPES; "full_attention" for every layer of a model without `layer_types`.
+        """
         return self.layer_types[i] if self.layer_types else "full_attention"
 
     @property
@@ -196,13 +249,19 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
     def num_params(self, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
-        """Every weight; active=True: the weights one token reads (its k routed experts, not all E).
+        """The model's parameter count, or what one token reads, or one device's share of either.
 
-        shards: one device's share under tensor parallelism: per logical axis name of models/layers.py (heads,
-        kv_heads, mlp, vocab, v_heads, conv; experts: the routed experts' weights; shared: the shared expert's
-        width), the number of devices it splits over (planning/tensor_parallel.py decides which split). Norms, the
-        router and the q/k norms count whole on every device. With shards the count is a float (a device's
-        expected share of the k active experts)."""
+        Args:
+            active: count only the weights one token reads: its k routed experts, not all E (the same as all
+                weights for a dense model).
+            shards: one device's share under tensor parallelism: per logical axis name of models/layers.py (heads,
+                kv_heads, mlp, vocab, v_heads, conv; experts: the routed experts' weights; shared: the shared
+                expert's width), the number of devices it splits over (planning/tensor_parallel.py decides which
+                split). Norms, the router and the q/k norms count whole on every device. None: the whole model.
+
+        Returns:
+            An int without shards; with shards a float (a device's expected share of the k active experts).
+        """
         d, v, part = self.hidden_size, self.vocab_size, _share(shards)
         total = sum(self.layer_params(i, active, shards) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else part(d * v, "vocab")
@@ -210,8 +269,16 @@ class ModelConfig:
         return total if shards else int(total)
 
     def layer_params(self, i: int, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
-        """Layer i's weights: its mixer (attention or Gated DeltaNet) with its input norm, and its MLP half;
-        active and shards as in num_params."""
+        """Layer i's weights: its mixer (attention or Gated DeltaNet) with its input norm, and its MLP half.
+
+        Args:
+            i: a layer index, 0 .. num_layers - 1.
+            active: as in `num_params`.
+            shards: as in `num_params`.
+
+        Returns:
+            The count (a float with shards).
+        """
         d, part = self.hidden_size, _share(shards)
         if self.layer_type(i) == "full_attention":
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -226,8 +293,16 @@ class ModelConfig:
         return mixer + d + self.mlp_params(i, active, shards)  # + d: the layer's input norm
 
     def mlp_params(self, i: int, active: bool = False, shards: Mapping[str, int] | None = None) -> int | float:
-        """Layer i's MLP half with its norm: dense SwiGLU, or router + experts (+ shared expert and its gate);
-        shards as in num_params."""
+        """Layer i's MLP half with its norm: dense SwiGLU, or router + experts (+ shared expert and its gate).
+
+        Args:
+            i: a layer index, 0 .. num_layers - 1.
+            active: as in `num_params`.
+            shards: as in `num_params`.
+
+        Returns:
+            The count (a float with shards).
+        """
         d, part = self.hidden_size, _share(shards)
         if not self.is_sparse(i):
             return part(3 * d * self.intermediate_size, "mlp") + d
@@ -238,7 +313,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict; raise ValueError on anything unsupported."""
+        """Build from a Hugging Face config.json dict (a multimodal layout's `text_config` is read).
+
+        Args:
+            hf: the parsed config.json.
+            dtype: the weights' dtype name to record; None: the config's torch_dtype (float32 when absent).
+
+        Returns:
+            The ModelConfig.
+
+        Raises:
+            ValueError: an architecture specjax does not implement (the supported ones are listed), a required
+                field missing, or a field whose value specjax does not implement (named).
+        """
         hf = text_config(hf)
         archs = hf.get("architectures") or []
         if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
@@ -466,6 +553,19 @@ class SamplingConfig:
 
     Every field is one value for all prompts or a tuple of one per prompt (validate() turns lists into
     tuples). Order of application, vLLM's (vllm/v1/sample/sampler.py): temperature, min_p, top_k, top_p.
+    `generate` builds one from its keywords (or a `SamplingParams`); build one yourself only to call the loops or a
+    drafter directly.
+
+    Attributes:
+        temperature: >= 0; 0 is greedy (argmax).
+        top_k: keep the k most likely tokens (ties with the k-th kept); 0 = off.
+        top_p: keep the smallest set of most likely tokens holding this mass, in (0, 1]; 1.0 = off.
+        min_p: keep tokens with p >= min_p x the largest p, in [0, 1]; 0.0 = off.
+
+    Example:
+        ```python
+        specjax.SamplingConfig(temperature=(0.0, 0.8), top_p=0.95).validate().greedy   # False: row 1 samples
+        ```
     """
 
     temperature: PerRow = 0.0
@@ -479,6 +579,15 @@ class SamplingConfig:
         return all(t == 0.0 for t in _values(self.temperature))
 
     def validate(self) -> "SamplingConfig":
+        """Check every value and turn lists into tuples.
+
+        Returns:
+            A new SamplingConfig with the same values, lists made tuples (hashable).
+
+        Raises:
+            ValueError: a temperature that is not a finite number >= 0, a top_k that is not an integer >= 0, a top_p
+                outside (0, 1] or a min_p outside [0, 1] (each named, with the value given).
+        """
         fields = {f.name: tuple(v) if isinstance(v := getattr(self, f.name), list) else v
                   for f in dataclasses.fields(self)}
         for t in _values(fields["temperature"]):

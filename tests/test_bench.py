@@ -1,4 +1,5 @@
-"""The benchmarks run end to end in miniature, so the commands quoted in the README keep working."""
+"""The benchmarks run end to end in miniature, so the commands quoted in the README and docs/benchmarks.md keep
+working."""
 
 import json
 import os

@@ -153,7 +153,7 @@ def qwen35_9b() -> ModelConfig:
 
 def test_roofline_counts_the_deltanet_state():
     """Per row: the state read by the pass, read and written by the commit; each node's kept results written and
-    read back; KV only for the 8 attention layers (docs/architecture.md, Hybrid targets)."""
+    read back; KV only for the 8 attention layers (docs/architecture_targets.md, Hybrid targets)."""
     from specjax.planning.profile import DEVICES, Roofline, hybrid_bytes
 
     cfg = qwen35_9b()

@@ -81,8 +81,21 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None, n_prompts: int | None = None) -> "SamplingParams":
         """These settings checked and made plain (arrays and NumPy scalars as Python values, lists as tuples,
-        max_tokens folded into max_new_tokens); a ValueError or TypeError names the first bad one. vocab_size:
-        the target's, for the token ids; n_prompts: for the per-prompt lists' lengths."""
+        max_tokens folded into max_new_tokens).
+
+        Args:
+            vocab_size: the target's vocabulary size, to check token ids (stop_token_ids, eos_token_id) against;
+                None skips that check.
+            n_prompts: the number of prompts, to check the per-prompt lists' lengths against; None skips it.
+
+        Returns:
+            A new SamplingParams holding the checked, plain values.
+
+        Raises:
+            TypeError: a setting of the wrong type (named, with what it takes).
+            ValueError: a setting out of its range, a per-prompt list of the wrong length, or max_tokens and
+                max_new_tokens both given differently; the first bad one is named.
+        """
         v = {f.name: _plain(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         if v["max_tokens"] is not None:
             if v["max_new_tokens"] not in (128, v["max_tokens"]):
@@ -128,7 +141,11 @@ class SamplingParams:
         return SamplingParams(**v)
 
     def as_kwargs(self) -> dict[str, Any]:
-        """generate's keyword arguments for these settings (max_tokens as max_new_tokens)."""
+        """generate's keyword arguments for these settings.
+
+        Returns:
+            A dict of every setting by name, max_tokens given as max_new_tokens: `generate(t, p, **sp.as_kwargs())`.
+        """
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "max_tokens"}
         if self.max_tokens is not None:
             kw["max_new_tokens"] = self.max_tokens

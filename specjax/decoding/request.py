@@ -60,7 +60,12 @@ class GenerateOutput:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # with top_logprobs=n: n (id, logprob) per token
 
     def summary(self) -> dict[str, Any]:
-        """The few facts a notebook wants first: rows, tokens, acceptance length, speed, compile time, plan."""
+        """The few facts a notebook wants first: rows, tokens, acceptance length, speed, compile time, plan.
+
+        Returns:
+            A dict: rows, tokens (generated), tau (acceptance length, None for plain decoding), tokens_per_s,
+            compile_s, and plan (the shape "auto" chose) when a plan was made.
+        """
         s = self.stats
         facts = {"rows": len(self.tokens), "tokens": s.get("generated_tokens"), "tau": s.get("acceptance_length"),
                  "tokens_per_s": s.get("tokens_per_s"), "compile_s": s.get("compile_s")}

@@ -30,6 +30,15 @@ class NgramDrafter:
 
     Raises:
         ValueError: when not 1 <= min_n <= max_n.
+
+    Example:
+        ```python
+        target = specjax.load(specjax.embedded("target"))
+        out = specjax.generate(target, ["def f(x):\\n    return x + 1\\n\\ndef g(x):"], max_new_tokens=32,
+                               drafter=specjax.NgramDrafter(max_n=4), num_draft_tokens=4)
+        ```
+
+    The methods below are the Drafter protocol's (specjax/decoding/drafter.py): the loops call them, under jit.
     """
     min_n: int = 1
     max_n: int = 3
@@ -48,13 +57,34 @@ class NgramDrafter:
         return f"NgramDrafter(min_n={self.min_n}, max_n={self.max_n})"
 
     def configure(self, settings: Settings) -> "NgramDrafter":
+        """Fix the draft shape and buffer sizes before compilation.
+
+        Args:
+            settings: the loop's static settings (tree, sampling mode, cache length, output bucket).
+
+        Returns:
+            A copy carrying `settings`.
+
+        Raises:
+            ValueError: the settings' tree is not a chain (prompt lookup proposes chains only).
+        """
         require_chain(self.name, settings)
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
+        """Network passes per round: none (for the planner's drafting cost)."""
         return 0
 
     def init(self, params, ctx: PrefillContext):
+        """The state after prefill: each row's history (its prompt) and its length.
+
+        Args:
+            params: unused (None).
+            ctx: the prefill's prompts and their lengths.
+
+        Returns:
+            (history int32 [B, cache_len + nodes], lengths int32 [B]).
+        """
         b, t = ctx.prompt.shape
         # The history holds at most the cached sequence, the root and a draft: sized by the cache, not the prompt
         # bucket, so every prefill of a loop (the engine's, at any prompt bucket) gives one state shape.
@@ -63,6 +93,19 @@ class NgramDrafter:
         return hist_BH, ctx.prompt_len
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
+        """Draft a chain: the continuation after the latest earlier match of each row's last n tokens.
+
+        Args:
+            params: unused (None).
+            state: (history, lengths) from `init` / `update`.
+            root_B: int32 [B], each row's root (its last token, not yet in the history).
+            keys_B: per-row PRNG keys (unused: the drafts are deterministic).
+            sampling: unused.
+
+        Returns:
+            (Draft, state): the chain with q None (deterministic), drafts past a row's match invalid; the state
+            unchanged.
+        """
         hist_BH, len_B = state
         b, h = hist_BH.shape
         k = self.settings.tree.num_nodes - 1
@@ -87,7 +130,18 @@ class NgramDrafter:
         return Draft(tokens_BN, spec_arrays(self.settings.tree, b), valid_BN), state
 
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
-        """Append the committed tokens (root + accepted drafts) to the history."""
+        """Append the committed tokens (root + accepted drafts) to the history.
+
+        Args:
+            params: unused (None).
+            state: (history, lengths).
+            draft: this round's Draft.
+            verdict: what verification accepted.
+            features: unused (prompt lookup reads no hidden states).
+
+        Returns:
+            The new (history, lengths).
+        """
         hist_BH, len_B = state
         b, n = verdict.path.shape
         kept_BN = jnp.take_along_axis(draft.tokens, verdict.path, axis=1)

@@ -148,12 +148,40 @@ class ReplayDrafter:
 def replay_drafter(continuations: Sequence[Sequence[int]], vocab_size: int, corrupt_prob: float | Sequence[float],
                    confidence: bool = False, confidence_noise: float = 0.0,
                    prompts: Sequence[Sequence[int]] | None = None) -> ReplayDrafter:
-    """Build from the target's continuation of each prompt (e.g. `generate(...).tokens` at temperature 0).
+    """A benchmarking drafter that replays the target's own continuation, corrupted at a set rate.
 
-    corrupt_prob: one rate, or one per continuation. confidence: attach the synthetic confidences
-    (1 - the row's rate, with `confidence_noise` standard deviation of Gaussian noise) for the scheduler.
-    prompts: the prompts (token ids) the continuations follow: each row then finds its continuation by its prompt
-    rather than by its place in the batch, as in `specjax.Engine`, where a request takes any free slot.
+    Each draft is the next token of the row's continuation, replaced by a different random token with probability
+    `corrupt_prob`: under greedy verification the acceptance is then controlled exactly, so a draft shape's cost and
+    benefit can be measured on any weights (random ones included) at a chosen acceptance, with no drafting cost.
+    Chains only.
+
+    Args:
+        continuations: the target's greedy continuation of each prompt (e.g. `generate(...).tokens` at temperature
+            0), one list of token ids per prompt, in the order the prompts will be passed.
+        vocab_size: the target's vocabulary size (corrupted drafts are drawn from it).
+        corrupt_prob: one rate in [0, 1] for every row, or one per continuation.
+        confidence: attach synthetic confidences to each draft (1 - the row's rate), for the prefix scheduler.
+        confidence_noise: the standard deviation of Gaussian noise added to those confidences (clipped to
+            [0.01, 0.99]); 0 keeps them exact.
+        prompts: the prompts (token ids) the continuations follow: each row then finds its continuation by its
+            prompt rather than by its place in the batch, as `specjax.Engine` needs (a request takes any free slot).
+
+    Returns:
+        A `ReplayDrafter` to pass as `drafter=` to `generate`, `stream` or `Engine`.
+
+    Raises:
+        ValueError: a rate outside [0, 1], as many rates as continuations not given, a negative confidence_noise,
+            or more prompts than continuation rows.
+
+    Example:
+        ```python
+        target = specjax.load(specjax.embedded("target"))
+        prompts = ["def add(a, b):", "class Stack:"]
+        plain = specjax.generate(target, prompts, max_new_tokens=64)
+        drafter = specjax.replay_drafter(plain.tokens, target.cfg.vocab_size, corrupt_prob=0.2)
+        out = specjax.generate(target, prompts, max_new_tokens=64, drafter=drafter, num_draft_tokens=4)
+        assert out.tokens == plain.tokens   # greedy: speculation never changes the output
+        ```
     """
     per_row = isinstance(corrupt_prob, Sequence) or np.ndim(corrupt_prob) > 0
     probs = np.asarray(corrupt_prob, np.float64).reshape(-1)

@@ -84,17 +84,59 @@ class _Active:
 class Engine:
     """Continuous batching over `max_slots` decode slots, each with its own KV cache row (and drafter state).
 
-    num_draft_tokens: "auto" (off and chains of `auto_chains` drafts, chosen per chunk from the live occupancy), K (a
-    fixed chain), or "off"; tree: a fixed tree spec instead (as `generate` takes it). logprobs: the most top logprobs a
-    request may ask (None: requests may not ask logprobs; computing them costs every round). penalties: whether
-    requests may use repetition / presence / frequency penalties and min_tokens (their token counts cost memory
-    [slots, vocab] and every round). sampling: whether requests may sample (False compiles the greedy path only).
-    scheduler: "confidence" or "prefix" (with a drafter that reports confidences, e.g. DSpark, and a fixed chain):
-    each round verifies only the drafts worth their cost across all live slots, decided from the drafter's
-    confidences alone (lossless), priced by scheduler_profile as `generate` takes it (None: $SPECJAX_PROFILE or
-    this device's roofline). prefill_chunk: a prompt longer than this enters its slot in pieces of this many tokens,
-    between chunks (`prefill_tokens_per_gap` prompt tokens a gap, at least one piece), so the requests decoding
-    meanwhile wait at most about one piece's prefill per gap.
+    Requests arrive and leave while a thread of the engine's own runs the loop: between chunks of the speculative
+    loop it admits waiting requests into free slots, retires finished ones, and picks the next chunk's draft shape
+    from the number of slots decoding (docs/engine.md). The constructor allocates the slots and starts that thread;
+    use the engine as a context manager, or call `close()`, to stop it.
+
+    Args:
+        target: a `specjax.Target` (`specjax.load`), on one device or a mesh.
+        drafter: a loaded drafter (`specjax.load_drafter`, `NgramDrafter`, `replay_drafter`), or None to decode
+            plainly.
+        max_slots: requests decoding at once; a multiple of the mesh's data-parallel size.
+        max_len: the most positions a request may use, prompt plus max_new_tokens.
+        num_draft_tokens: "auto" (off, chains of `auto_chains` drafts and the trees of `auto_trees`, chosen per
+            chunk from the live occupancy), K (a fixed chain of K drafts), or "off".
+        tree: a fixed tree spec instead of a chain, as `generate` takes it.
+        logprobs: the most top logprobs a request may ask (0: each token's own logprob only; None: requests may not
+            ask logprobs). Computing them costs every round.
+        penalties: whether requests may use repetition / presence / frequency penalties and min_tokens (their token
+            counts cost memory [slots, vocab] and every round).
+        sampling: whether requests may sample (False compiles the greedy path only).
+        max_prefill_batch: the most waiting requests prefilled together in one gap between chunks.
+        prefill_tokens_per_gap: prompt tokens prefilled per gap (at least one request, or one piece of a long
+            prompt).
+        auto_chains: the chain lengths "auto" chooses among, besides off.
+        auto_trees: tree specs "auto" chooses among too (static trees as `generate` takes them, e.g.
+            "kary:3,2,1", or one-pass dynamic trees); none by default, since each adds an executable per occupancy
+            bucket.
+        scheduler: "confidence" or "prefix" (with a drafter that reports confidences, e.g. DSpark, and a fixed
+            chain): each round verifies only the drafts worth their cost across all live slots, decided from the
+            drafter's confidences alone (lossless).
+        scheduler_profile: the scheduler's verify cost curve, as `generate` takes it (None: $SPECJAX_PROFILE or
+            this device's roofline).
+        prefill_chunk: a power of two >= 16; a prompt longer than this enters its slot in pieces of this many
+            tokens, between chunks, so the requests decoding meanwhile wait at most about one piece's prefill per
+            gap.
+
+    Raises:
+        TypeError: `target` is not a Target, or `drafter` is not a loaded drafter (a path, a Target).
+        ValueError: a size that is not a positive int, a `prefill_chunk` that is not a power of two >= 16, a bad
+            `logprobs`, `num_draft_tokens`, `tree`, `auto_chains` or `auto_trees` (or a shape without a drafter,
+            or `auto_trees` with a fixed shape), a drafter whose vocabulary or hidden-state taps do not fit the
+            target, a `scheduler` without a confidence drafter and a fixed chain, candidate shapes whose drafter
+            states differ, `max_slots` not a multiple of the data-parallel size, or slots that do not fit the
+            device's free memory (the message says which max_slots would).
+
+    Example:
+        ```python
+        target = specjax.load(specjax.embedded("target"))
+        drafter = specjax.load_drafter(specjax.embedded("draft"), target)
+        with specjax.Engine(target, drafter, max_slots=8, max_len=256) as engine:
+            engine.warmup()
+            handle = engine.submit("def quicksort(xs):", max_new_tokens=32)
+            print(handle.result().text)
+        ```
     """
 
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
@@ -198,8 +240,29 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt, **settings) -> RequestHandle:
-        """Queue one request (a string, token ids, or a chat: a list of {"role", "content"} messages) with
-        `generate`'s per-request settings; returns its handle at once. Bad input raises here, alone."""
+        """Queue one request; returns its handle at once, without waiting for a slot.
+
+        Bad input raises here, for this request alone: the engine and the other requests carry on.
+
+        Args:
+            prompt: a string, a list of token ids, or a chat (a list of {"role", "content"} messages, rendered by
+                the checkpoint's chat template).
+            **settings: `generate`'s per-request settings, each one value: max_new_tokens, temperature, top_k,
+                top_p, min_p, seed (unset: a fresh seed per request), stop, stop_token_ids, eos_token_id, logprobs,
+                top_logprobs, repetition_penalty, presence_penalty, frequency_penalty, min_tokens,
+                include_stop_str_in_output, skip_special_tokens; also chat_template_kwargs, and sampling_params (a
+                `SamplingParams` the keywords override).
+
+        Returns:
+            The request's `RequestHandle`: `result()`, iteration over its `StreamChunk`s, `await`.
+
+        Raises:
+            TypeError: an unknown setting, or a setting of the wrong type.
+            ValueError: a setting out of its range; a prompt that with max_new_tokens needs more than `max_len`
+                positions; sampling, penalties or logprobs (or more top_logprobs) than the engine was built for;
+                more than 8 stop token ids, EOS included.
+            RuntimeError: the engine is closed, or stopped after an error.
+        """
         active = self._validate(prompt, settings)
         with self._lock:
             self._check_open()
@@ -209,7 +272,17 @@ class Engine:
         return active.handle
 
     def abort(self, handle: RequestHandle) -> None:
-        """Stop a request wherever it is (queued or decoding); its handle finishes with finish_reason "abort"."""
+        """Stop a request wherever it is (queued or decoding); its handle finishes with finish_reason "abort".
+
+        A queued request ends at once; a decoding one at the next gap between chunks, its slot freed. A request that
+        has already finished is left as it is.
+
+        Args:
+            handle: the `RequestHandle` that `submit` returned.
+
+        Raises:
+            TypeError: `handle` is not a RequestHandle.
+        """
         if not isinstance(handle, RequestHandle):
             raise TypeError(f"abort() takes the RequestHandle submit() returned, got {type(handle).__name__}")
         with self._lock:
@@ -223,8 +296,25 @@ class Engine:
             self._lock.notify_all()
 
     def generate(self, prompts: Sequence, **settings) -> GenerateOutput:
-        """Every prompt through the engine at full occupancy; each setting one value or one per prompt. Returns a
-        GenerateOutput in prompt order, like specjax.generate."""
+        """Every prompt through the engine at full occupancy (offline batch work), like `specjax.generate`.
+
+        The prompts are submitted at once and the engine keeps its slots full, admitting the next prompt as each one
+        finishes.
+
+        Args:
+            prompts: a non-empty list of prompts, each as `submit` takes one.
+            **settings: `submit`'s settings, each one value for every prompt or a list of one per prompt (for stop,
+                stop_token_ids and eos_token_id, themselves lists: a list of lists is one per prompt).
+
+        Returns:
+            A `GenerateOutput` in prompt order: tokens, texts, finish_reasons, stop_reasons, logprobs when every
+            request asked them, and stats (tokens_per_s, decode_s, generated_tokens, and engine: `stats()`).
+
+        Raises:
+            ValueError: `prompts` is not a non-empty list, or a per-prompt list has another length.
+            TypeError, ValueError, RuntimeError: as `submit` raises them for any one prompt; a request the
+                engine failed on raises `RuntimeError` from its result.
+        """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
         n = len(prompts)
@@ -254,8 +344,18 @@ class Engine:
         return out
 
     def warmup(self) -> float:
-        """Compile every executable the engine can use and time each chunk shape at each occupancy bucket (the
-        policy's cost profile); returns the seconds it took."""
+        """Compile every executable the engine can use and time each chunk shape at each occupancy bucket.
+
+        The timings are the shape policy's cost profile; after warmup, serving compiles nothing. Without it, each
+        executable compiles the first time it is needed and each shape is timed when first run.
+
+        Returns:
+            The seconds it took.
+
+        Raises:
+            RuntimeError: requests are queued or decoding (warm up before submitting), or the engine is closed or
+                stopped after an error.
+        """
         start = time.perf_counter()
         with self._lock:
             self._check_open()
@@ -268,6 +368,18 @@ class Engine:
         return time.perf_counter() - start
 
     def stats(self) -> dict[str, Any]:
+        """A snapshot of the engine's state and counters (what `specjax serve` exports on /metrics).
+
+        Returns:
+            A dict: occupancy (requests in slots), max_slots, queue_length, shape (the current chunk's draft shape),
+            shapes (the candidates), shapes_over_time ((seconds since start, rows decoding, shape) at each
+            change), compiles and compile_s (an engine after `warmup()` adds none), warmed_up, cache_len, memory
+            (the slots' byte plan), offered_at_depth and accepted_at_depth (drafts per depth, warmup's excluded),
+            the counters chunks, prefills,
+            prefill_rows, chunked_prefills, catch_up_rows, tokens_emitted, requests_finished, requests_aborted, and
+            the policy's acceptance_at_depth (a chain's), acceptance_depth_rank (p[depth][rank]), tau (per shape),
+            round_ms (per "bucket/shape") and dropped shapes.
+        """
         with self._lock:
             live = sum(a is not None and not a.finished for a in self._live)
             return {"occupancy": live, "memory": self.memory, "max_slots": self.max_slots, "queue_length": len(self._waiting),
@@ -278,7 +390,11 @@ class Engine:
                     **self.policy.summary()}
 
     def close(self) -> None:
-        """Stop the loop: queued and running requests end with finish_reason "abort"."""
+        """Stop the loop and wait for its thread; queued and decoding requests end with finish_reason "abort".
+
+        Leaving a `with Engine(...)` block calls it. Calling it again does nothing more; `submit` and `warmup` then
+        raise RuntimeError.
+        """
         with self._lock:
             self._closed = True
             self._lock.notify_all()

@@ -16,7 +16,28 @@ from specjax.decoding.stream import StreamChunk
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One finished request: its tokens and text, why it ended, its logprobs, and its own statistics."""
+    """One finished request: its tokens and text, why it ended, its logprobs, and its own statistics.
+
+    What `RequestHandle.result()` (or `await handle`) returns once the request is retired.
+
+    Attributes:
+        request_id: the engine's id for the request, counted from 0 in submission order (`RequestHandle.request_id`).
+        prompt_ids: the prompt's token ids as the target read them (a chat rendered by the checkpoint's template).
+        tokens: the generated token ids, without the prompt; a stop string's tokens are cut as `generate` cuts them.
+        text: the generated text (None when the target has no tokenizer).
+        finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_new_tokens reached) or
+            "abort" (`Engine.abort`, or `Engine.close` while it was queued or decoding).
+        stop_reason: the stop string or stop token id (EOS included) that ended it; None for "length" and
+            "abort".
+        logprobs: each generated token's log-probability under the target's raw logits, when the request asked
+            `logprobs=True` or `top_logprobs=n`; None otherwise.
+        top_logprobs: per generated token, the n most likely (token id, logprob) pairs, when the request asked
+            `top_logprobs=n` with n > 0; None otherwise.
+        stats: this request alone: prompt_tokens, completion_tokens, rounds (speculative rounds it took part in),
+            accepted_drafts, acceptance_length (tokens per round, None without rounds), ttft_s (submission to the
+            first token), e2e_s (submission to the end), queue_s (None: not measured yet) and seed (the seed
+            its sampling used).
+    """
 
     request_id: int
     prompt_ids: list[int]
@@ -30,9 +51,30 @@ class RequestOutput:
 
 
 class RequestHandle:
-    """Returned by `Engine.submit` at once. `result()` blocks for the RequestOutput; iterating yields StreamChunks
-    until the last (which carries finish_reason); `await handle` and `async for chunk in handle` do the same from
-    asyncio. Any number of readers may iterate; each sees every chunk."""
+    """A submitted request as its caller holds it; `Engine.submit` returns it at once.
+
+    Four ways to read it, from any thread:
+
+    - `result()` blocks for the `RequestOutput`;
+    - iterating (`for chunk in handle`) yields `StreamChunk`s as the engine decodes them, until the last one, which
+      carries finish_reason; it blocks between chunks;
+    - `await handle` returns the `RequestOutput` from an asyncio event loop without blocking it;
+    - `async for chunk in handle` yields the chunks from an event loop (the engine's thread wakes it).
+
+    Any number of readers may iterate, each from the first chunk: each sees every chunk. A request the engine
+    failed on raises `RuntimeError` from `result()`, at the end of an iteration, and from `await`.
+
+    Attributes:
+        request_id: the engine's id for the request (`RequestOutput.request_id`).
+
+    Example:
+        ```python
+        handle = engine.submit("The capital of France is", max_new_tokens=16)
+        for chunk in handle:
+            print(chunk.text, end="")
+        print(handle.result().finish_reason)
+        ```
+    """
 
     def __init__(self, request_id: int):
         self.request_id = request_id
@@ -70,9 +112,26 @@ class RequestHandle:
 
     # ---- caller side
     def done(self) -> bool:
+        """Whether the request has ended (finished, aborted or failed); never blocks.
+
+        Returns:
+            True once `result()` would return (or raise) at once.
+        """
         return self._output is not None or self._error is not None
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request ends and return its output.
+
+        Args:
+            timeout: seconds to wait at most; None waits for as long as the request takes.
+
+        Returns:
+            The `RequestOutput`: tokens, text, finish_reason ("stop", "length" or "abort"), logprobs and stats.
+
+        Raises:
+            TimeoutError: the request had not ended within `timeout` seconds (it keeps running).
+            RuntimeError: the engine failed while running it (the cause is chained), or stopped after an error.
+        """
         with self._cond:
             if not self._cond.wait_for(self.done, timeout):
                 raise TimeoutError(f"request {self.request_id} not finished within {timeout} s")

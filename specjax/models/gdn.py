@@ -13,7 +13,7 @@ with q, k L2-normed and q scaled by d_k^-1/2. Three forms compute it:
   without a state per node: the UT system only couples a node to its ancestors, and the cumulative decay
   runs along the path. It returns, per node, the corrected value `v_new` and the cumulative decay, from
   which `state_along_path` forms the state after any accepted node (S0 decayed + a rank-n update over the
-  path): what the speculative loop commits. See docs/architecture.md for the memory this saves over keeping
+  path): what the speculative loop commits. See docs/architecture_targets.md for the memory this saves over keeping
   a state per node.
 
 All three take q, k already expanded to the value heads (`expand_heads`: value head h reads key head

@@ -55,7 +55,7 @@ RULES: dict[str, str | None] = {
 # then one psum (models/moe.py expert_parallel_experts). Not the default: on an accelerator the expert paths gather
 # every block's expert matrices (fixed shapes, used or not), so whole experts read up to n times the bytes of an
 # inside split at decode; on the CPU it is the faster one (the inside split's loop over blocks takes an all-reduce
-# per block). `python scripts/bench_expert_split.py`, docs/architecture.md (Multi-device).
+# per block). `python scripts/bench_expert_split.py`, docs/architecture_devices.md.
 EXPERT_PARALLEL: dict[str, str | None] = {**RULES, "experts": "model"}
 
 

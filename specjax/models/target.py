@@ -64,9 +64,32 @@ class Target:
         return merge(self.cfg, self.params)
 
     def encode(self, text: str) -> list[int]:
+        """Tokenise text with the checkpoint's tokenizer.json (special tokens as the tokenizer adds them).
+
+        Args:
+            text: the text.
+
+        Returns:
+            Its token ids.
+
+        Raises:
+            ValueError: the checkpoint has no tokenizer.json (pass token-id lists to generate instead).
+        """
         return self._need_tokenizer().encode(text).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Detokenise token ids with the checkpoint's tokenizer.json.
+
+        Args:
+            ids: token ids (e.g. one row of `generate(...).tokens`).
+            skip_special_tokens: leave out special tokens (EOS, chat markers), as `generate`'s texts do.
+
+        Returns:
+            The text.
+
+        Raises:
+            ValueError: the checkpoint has no tokenizer.json.
+        """
         return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _need_tokenizer(self) -> Tokenizer:

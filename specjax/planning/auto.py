@@ -51,7 +51,7 @@ RETIME_FACTOR = 4
 # `specjax plan`'s default (quick=True): a bounded measurement per batch, the loops timed QUICK_REPEATS rounds of
 # QUICK_TIMING_TOKENS and never again, chains of QUICK_CHAINS (every one a compile), a gain inside the noise reported
 # as such (the plan's "undecided") rather than chased; `specjax plan --full` and generate(..., "auto") measure as
-# above. The README's `specjax plan --drafter checkpoints/tiny/eagle3 --concurrency 1,8,32 --tokens 64` took over
+# above. docs/planning.md's `specjax plan --drafter checkpoints/tiny/eagle3 --concurrency 1,8,32 --tokens 64` took over
 # 15 minutes in full on this 2-core machine under load (stopped there); quick, 100 s of CPU time (timing over 64
 # tokens, its compiles cached) and 144 s (over 32, compiled afresh), 7 and 12 minutes of wall time at load 15-19.
 QUICK_REPEATS = 3

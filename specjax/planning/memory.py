@@ -41,7 +41,7 @@ from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 from specjax.planning.profile import DEVICES, DTYPE_BYTES, DeviceSpec, check_tensor_parallel
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
-# The six cases of the README's table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
+# The six cases of docs/planning.md's memory table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
 SERVED_CASES = (("Llama-3.3-70B", 8), ("Qwen3.5-27B", 2), ("Qwen3.5-122B-A10B", 8))
 EAGLE3_DRAFT_VOCAB = 32000  # SafeAILab's EAGLE-3 heads' draft vocabulary (REFERENCE.md: lm_head [32000, H])
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

@@ -23,7 +23,7 @@ device) hold E x expert / n weights per device and read the same bytes in expect
 device's E / n experts are each hit with the same probability as any expert, so a pass reads D(T) / n whole experts
 there (D(T) = E (1 - (1 - k/E)^T)), where an inside split reads D(T) experts of 1/n width. The busiest device sets
 the pace; routing imbalance between devices is not modelled. specjax's own accelerator path gathers every block's
-matrices instead, which favours the inside split (docs/architecture.md, Multi-device: scripts/bench_expert_split.py).
+matrices instead, which favours the inside split (docs/architecture_devices.md: scripts/bench_expert_split.py).
 """
 
 from __future__ import annotations
