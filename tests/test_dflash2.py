@@ -136,7 +136,8 @@ def test_the_reader_reads_every_field():
     (lambda hf: hf.pop("is_causal"), "mixes sliding .* and full"),
     (lambda hf: hf.update(sliding_window=3), "window 3 is shorter than its block"),
     (lambda hf: hf.update(layer_types=["sliding_attention", "chunked"]), "each must be 'full_attention'"),
-], ids=["no-selector", "group", "mixed-causal", "window", "layer-type"])
+    (lambda hf: hf.pop("layer_types") and hf.update(use_sliding_window=True), "use_sliding_window with no layer_types"),
+], ids=["no-selector", "group", "mixed-causal", "window", "layer-type", "qwen-window"])
 def test_misfits_are_refused_with_what_would_fit(tmp_path, edit, words):
     with pytest.raises(ValueError, match=words):
         load_dflash2(rewrite(tmp_path, edit), target_config())

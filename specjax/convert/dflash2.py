@@ -59,6 +59,10 @@ def _windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     if bad:
         raise ValueError(f"the DFlash2 drafter's layer_types has {bad}; each must be 'full_attention' or "
                          "'sliding_attention'")
+    if types is None and hf.get("use_sliding_window"):
+        raise ValueError("the DFlash2 drafter sets use_sliding_window with no layer_types: which layers slide is not "
+                         "said (transformers derives it from max_window_layers, vLLM's DFlash reads layer_types); "
+                         "list layer_types in config.json")
     any_sliding = any(t == "sliding_attention" for t in types or ())
     sliding = [use_swa] * num_layers if types is None or (use_swa and not any_sliding) else \
         [t == "sliding_attention" for t in types]

@@ -217,7 +217,9 @@ class DFlash2Drafter(DFlashDrafter):
     `Draft.confidence` holds each pick's softmax probability over its row's candidate scores (root 1.0).
     params: DFlash's block params in the per-layer layout, plus attn_conv_base / attn_conv_proj / mlp_conv_base /
     mlp_conv_proj (stacked on L), selector_predecessor, selector_successor [V, rank], selector_proj [H, rank], and
-    the target's embed (and lm_head when untied).
+    the target's embed (and lm_head when untied). attn_impl is not used: the block runs its own XLA attention (the
+    sliding window; the Pallas kernel has none). With `record_logits`, a chain's Draft.logits are each pick's selector
+    row (-inf off the candidates); a tree's are not recorded.
     """
 
     head: DFlash2Head | None = None
