@@ -222,7 +222,8 @@ def random_head(target, key) -> DFlash2Drafter:
 
 
 def test_sampled_dflash2_output_has_the_target_distribution():
-    """The argmax walk (q one-hot) verified by rejection sampling keeps the target's distribution exactly."""
+    """The walk drawn at temperature 1 (z-lab's sampled walk, its distribution as q) verified by rejection sampling
+    keeps the target's distribution exactly."""
     target = tiny(0, layers=2)
     sampling = SamplingConfig(1.0)
     out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=17,

@@ -25,11 +25,12 @@ Candidates and selector. Block rows 1..K-1 (final-normed hidden h_l) give, with 
 with the codebooks P (predecessor), Q (successor) [V, rank], W = hidden_projection [H, rank], and pred_0 the
 anchor, pred_l = ids[l - 1]. The selector is part of drafting, not only training: the speculator walks it.
 
-The walk (`_selector_walk_kernel`, greedy): prev = 0; for step l: i = argmax_c S[l, prev, c] (NaN read as -inf);
-draft_l = ids[l, i]; prev = i. specjax drafts exactly that chain, deterministic given the drafter's outputs (q
-None), so the standard verifier keeps the target's distribution under any sampling. z-lab's speculator, at a
-temperature > 0, instead samples the walk (Gumbel noise) and verifies against softmax(S / T); specjax keeps the
-argmax walk (lossless, a different proposal). Trees from the same pass: a node at depth d chosen as candidate i
+The walk (`_selector_walk_kernel`): prev = 0; for step l: i = argmax_c S[l, prev, c] (NaN read as -inf);
+draft_l = ids[l, i]; prev = i. Greedy, specjax drafts exactly that chain (deterministic given the drafter's outputs,
+q None). At a temperature z-lab's speculator draws i from softmax(S[l, prev] / T) (Gumbel noise) and its rejection
+sampler reads those scores as the draft distribution; specjax draws the same way (`sampled_walk`, the rows' sampling
+applied to the row's scores at their token ids) and hands the standard verifier that distribution as q, so the
+output keeps the target's distribution. Trees from the same pass (deterministic, q None): a node at depth d chosen as candidate i
 has the children top_w of S[d, i, :] (log-softmax over the K candidates as its score): the dynamic (JetSpec-style)
 and static templates DFlash builds, with each child conditioned on its own parent through the selector.
 """
@@ -43,6 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.decoding.block_tree import ChildrenFn
+from specjax.decoding.drafter import drafting_values
+from specjax.decoding.sampling import sample_rows, sampling_probs, split_rows
 from specjax.decoding.tree import spec_arrays
 from specjax.decoding.verify import Draft
 from specjax.drafters.dflash import BlockBackbone, BlockConfig, DFlashDrafter, backbone, one_pass_draft, \
@@ -186,6 +189,34 @@ def walk(scores_BLPC: jax.Array, ids_BLC: jax.Array, steps: int) -> tuple[jax.Ar
     return jnp.stack(tokens, axis=1), jnp.stack(picks, axis=1)
 
 
+def sampled_walk(scores_BLPC: jax.Array, ids_BLC: jax.Array, steps: int, keys_B: jax.Array, sampling, vocab: int):
+    """The selector walk drawn as z-lab's speculator draws it at a temperature: at each step a candidate from the row
+    the previous pick selects, the row's scores as logits (the rows' sampling applied; -inf off the candidates).
+    Returns (drafts int32 [B, steps], picks [B, steps], q [B, steps, V]: what each draft was drawn from)."""
+    b = scores_BLPC.shape[0]
+    rows = jnp.arange(b)
+    keys = split_rows(keys_B, steps)
+    prev_B = jnp.zeros((b,), jnp.int32)
+    tokens, picks, qs = [], [], []
+    for step in range(steps):
+        row_BC = scores_BLPC[rows, step, prev_B]
+        q_BV = sampling_probs(on_vocab(row_BC[:, None], ids_BLC[:, step:step + 1], vocab)[:, 0], sampling)
+        tok_B = sample_rows(keys[step], q_BV)
+        prev_B = jnp.argmax(ids_BLC[:, step] == tok_B[:, None], axis=-1).astype(jnp.int32)
+        tokens.append(tok_B.astype(jnp.int32))
+        picks.append(prev_B)
+        qs.append(q_BV)
+    return jnp.stack(tokens, axis=1), jnp.stack(picks, axis=1), jnp.stack(qs, axis=1)
+
+
+def on_vocab(rows_BkC: jax.Array, ids_BkC: jax.Array, vocab: int) -> jax.Array:
+    """[B, k, V]: each row's candidate scores at their token ids, -inf elsewhere (NaN read as -inf)."""
+    b, k, _ = rows_BkC.shape
+    full_BkV = jnp.full((b, k, vocab), -jnp.inf, jnp.float32)
+    rows_BkC = jnp.where(jnp.isnan(rows_BkC), -jnp.inf, rows_BkC)
+    return full_BkV.at[jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None], ids_BkC].set(rows_BkC)
+
+
 def selector_children(scores_BLPC: jax.Array, ids_BLC: jax.Array, anchor_B: jax.Array, width: int) -> ChildrenFn:
     """Tree children through the selector: a parent at depth d (its token among depth d's candidates, the anchor
     at the root) gets the top `width` of S[d, parent's index, :], scored by log-softmax over the candidates."""
@@ -210,7 +241,8 @@ def selector_children(scores_BLPC: jax.Array, ids_BLC: jax.Array, anchor_B: jax.
 
 @dataclasses.dataclass(frozen=True)
 class DFlash2Drafter(DFlashDrafter):
-    """DFlash2 behind the Drafter protocol: one block pass a round, the selector's greedy walk as the chain.
+    """DFlash2 behind the Drafter protocol: one block pass a round, the selector's walk as the chain (greedy, or drawn
+    with q at a temperature, as z-lab's speculator).
 
     State, `init` and `update` are DFlash's (context K/V only; the drafter's cache is per-layer). `propose` runs the
     block with the convolutions, takes each MASK row's candidates and walks the selector (module docstring);
@@ -243,30 +275,32 @@ class DFlash2Drafter(DFlashDrafter):
         return edge_scores(params, ids_BLC, unary_BLC, h_BLH, root_B), ids_BLC, cache
 
     def propose(self, params, state: KVCache, root_B, keys_B, sampling=None):
-        del keys_B, sampling  # the argmax walk (or a selector tree) under any sampling
         spec = self.settings.tree
         scores_BLPC, ids_BLC, cache = self.score(params, state, root_B)
-        if not spec.is_chain:
+        if not spec.is_chain:  # deterministic under any sampling (q None)
             width = tree_width(spec)
             if width > self.head.selector_top_k:
                 raise ValueError(f"tree {spec} gives a node {width} children; DFlash2 scores selector_top_k="
                                  f"{self.head.selector_top_k} candidates a row; pass top_k <= that")
             return one_pass_draft(spec, root_B, selector_children(scores_BLPC, ids_BLC, root_B, width), None), cache
         k, b = spec.num_nodes - 1, root_B.shape[0]
-        drafts_Bk, picks_Bk = walk(scores_BLPC, ids_BLC, k)
-        rows = jnp.arange(b)[:, None]
+        q_BNV = None
+        if self.settings.sampling.greedy:
+            drafts_Bk, picks_Bk = walk(scores_BLPC, ids_BLC, k)
+        else:
+            drafts_Bk, picks_Bk, q_BkV = sampled_walk(scores_BLPC, ids_BLC, k, keys_B,
+                                                      drafting_values(self.settings, sampling), self.vocab_size)
+            q_BNV = jnp.concatenate([jnp.zeros_like(q_BkV[:, :1]), q_BkV], axis=1)
         prev_Bk = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), picks_Bk[:, :-1]], axis=1)
-        steps = jnp.arange(k)[None, :]
-        rows_BkC = scores_BLPC[rows, steps, prev_Bk]  # the row each pick was made from
+        rows_BkC = scores_BLPC[jnp.arange(b)[:, None], jnp.arange(k)[None, :], prev_Bk]  # the row each pick came from
         prob_Bk = jnp.take_along_axis(jax.nn.softmax(rows_BkC, axis=-1), picks_Bk[:, :, None], axis=-1)[..., 0]
         tokens_BN = jnp.concatenate([root_B[:, None].astype(jnp.int32), drafts_Bk], axis=1)
         confidence_BN = jnp.concatenate([jnp.ones((b, 1), jnp.float32), prob_Bk], axis=1)
         logits = None
-        if self.settings.record_logits:  # the walk's distribution over the vocabulary: -inf off the candidates
-            full_BkV = jnp.full((b, k, self.vocab_size), -jnp.inf, jnp.float32)
-            full_BkV = full_BkV.at[rows[:, :, None], steps[:, :, None], ids_BLC[:, :k]].set(rows_BkC)
+        if self.settings.record_logits:  # the walk's rows over the vocabulary: -inf off the candidates
+            full_BkV = on_vocab(rows_BkC, ids_BLC[:, :k], self.vocab_size)
             logits = jnp.concatenate([jnp.zeros_like(full_BkV[:, :1]), full_BkV], axis=1)
-        draft = Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_),
+        draft = Draft(tokens_BN, spec_arrays(spec, b), jnp.ones(tokens_BN.shape, jnp.bool_), q=q_BNV,
                       confidence=confidence_BN, logits=logits)
         return draft, cache
 
