@@ -158,7 +158,7 @@ def layer_forward(layer, hidden, context, position_embeddings, mask):
 
 
 def head_forward(torch, head, target, context_raw, anchor, start: int):
-    """Final-normed hidden [B, K, H] of the block [anchor, MASK...] at positions start.. over the context rows 0..start-1."""
+    """Final-normed hidden [B, K, H] of the block [anchor, MASK...] at positions start.. over context rows < start."""
     b, k = anchor.shape[0], HEAD["dflash_config"]["block_size"]
     block = torch.full((b, k), HEAD["dflash_config"]["mask_token_id"], dtype=torch.long)
     block[:, 0] = anchor

@@ -10,7 +10,8 @@ causality is `is_causal`, else dflash_config.causal, else "sliding layers are ca
 Tensors beyond DFlash's (no `model.` prefix; torch [out, in]):
     layers.{i}.{attention_conv,mlp_conv}.base_kernel [2, taps, H];
     layers.{i}.{attention_conv,mlp_conv}.kernel_projection.weight [2 * taps * H / group, H];
-    candidate_selector.{predecessor,successor}_codebook [V, rank]; candidate_selector.hidden_projection.weight [rank, H].
+    candidate_selector.{predecessor,successor}_codebook [V, rank];
+    candidate_selector.hidden_projection.weight [rank, H].
 Every tensor must be accounted for.
 """
 

@@ -30,9 +30,9 @@ draft_l = ids[l, i]; prev = i. Greedy, specjax drafts exactly that chain (determ
 q None). At a temperature z-lab's speculator draws i from softmax(S[l, prev] / T) (Gumbel noise) and its rejection
 sampler reads those scores as the draft distribution; specjax draws the same way (`sampled_walk`, the rows' sampling
 applied to the row's scores at their token ids) and hands the standard verifier that distribution as q, so the
-output keeps the target's distribution. Trees from the same pass (deterministic, q None): a node at depth d chosen as candidate i
-has the children top_w of S[d, i, :] (log-softmax over the K candidates as its score): the dynamic (JetSpec-style)
-and static templates DFlash builds, with each child conditioned on its own parent through the selector.
+output keeps the target's distribution. Trees from the same pass (deterministic, q None): a node at depth d
+chosen as candidate i has the children top_w of S[d, i, :] (log-softmax over the K candidates as its score): the
+dynamic (JetSpec-style) and static templates DFlash builds, each child conditioned on its own parent.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class DFlash2Head:
 
 
 def grouped_conv(x_BKH: jax.Array, delta_BKTG: jax.Array, base_TH: jax.Array, group_size: int) -> jax.Array:
-    """out[j] = sum_t (base[t] + delta[j, t, group]) * x[j - t] over the block's rows (t <= j): z-lab's `_grouped_conv`."""
+    """out[j] = sum_t (base[t] + delta[j, t, group]) * x[j - t] over the block's rows (t <= j): `_grouped_conv`."""
     b, k, h = x_BKH.shape
     taps, g = delta_BKTG.shape[2], h // group_size
     x_BKGS = x_BKH.reshape(b, k, g, group_size)
