@@ -241,5 +241,10 @@ def load_dflash(model_dir: str | Path, target: ModelConfig, dtype: str | None = 
     """(config, host block params) of the DFlash drafter in model_dir, checked against the target's config."""
     model_dir = Path(model_dir)
     hf = read_hf_config(model_dir)
+    dflash2 = sorted(k for k in ("conv_kernel_size", "selector_rank") if k in (hf.get("dflash_config") or {}))
+    if dflash2 or "DFlash2DraftModel" in (hf.get("architectures") or []):
+        raise ValueError(f"{model_dir} is a DFlash2 drafter (DFlash2DraftModel{', ' if dflash2 else ''}"
+                         f"{', '.join(dflash2)}): its convolutions and candidate selector would be dropped as DFlash; "
+                         "load it with specjax.load_drafter (convert/dflash2.py)")
     cfg = dflash_config(hf, target, dtype)
     return cfg, block_params(read_tensors(safetensors_files(model_dir)), cfg)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.convert.dflash import is_dflash_config, load_dflash
+from specjax.convert.dflash2 import is_dflash2_config, load_dflash2
 from specjax.convert.dspark import is_dspark_config, load_dspark
 from specjax.convert.dspark_speculators import is_speculators_dspark, load_speculators_dspark
 from specjax.convert.eagle3 import load_eagle3
@@ -27,6 +28,7 @@ from specjax.drafters import dflash as dflash_family
 from specjax.drafters import dspark as dspark_family
 from specjax.drafters import mtp as mtp_family
 from specjax.drafters.dflash import DFlashDrafter
+from specjax.drafters.dflash2 import DFlash2Drafter
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.dspark import DSparkDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
@@ -39,12 +41,13 @@ from specjax.multihost import to_host
 
 
 def drafter_family(path: str | Path) -> str:
-    """'dspark', 'dflash', 'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
+    """'dspark', 'dflash2', 'dflash', 'eagle3', 'mtp' or 'draft_model', from the directory's config.json.
 
     DeepSpec DSpark drafters (and DeepSpec's DFlash ones, the same class with markov_rank 0) say so by
     the Qwen3DSparkModel architecture (or DSpark's config fields).
 
-    DFlash drafters (z-lab) say so by the DFlashDraftModel architecture or a `dflash_config`.
+    DFlash drafters (z-lab) say so by the DFlashDraftModel architecture or a `dflash_config`; DFlash2 ones (z-lab's
+    DFlash2DraftModel) by that architecture or dflash_config's conv / selector fields.
 
     EAGLE-3 heads in any producer's layout say so (convert/eagle3_layouts.py `is_eagle3_config`): an
     `eagle_config` (SGLang, ModelOpt), an architecture named *Eagle3* (SpecForge, DeepSpec), a `draft_vocab_size`
@@ -58,6 +61,8 @@ def drafter_family(path: str | Path) -> str:
     hf = json.loads(config.read_text())
     if is_dspark_config(hf) or is_speculators_dspark(hf):  # DeepSpec's (and DFlash, rank 0) or speculators' DSpark
         return "dspark"
+    if is_dflash2_config(hf):
+        return "dflash2"
     if is_dflash_config(hf):
         return "dflash"
     if is_eagle3_config(hf):
@@ -99,7 +104,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
       becomes a `DSparkDrafter` with its own embedding and lm_head copies; hidden size, vocabulary, block,
       mask token and tap layers are checked against the target.
     - A z-lab DFlash drafter becomes a `DFlashDrafter` reading the target's features and using its
-      embedding and lm_head; hidden size, vocabulary, mask token and tap layers are checked.
+      embedding and lm_head; hidden size, vocabulary, mask token and tap layers are checked. A z-lab DFlash2
+      drafter (DFlash2DraftModel: convolutions, candidate selector) becomes a `DFlash2Drafter` the same way.
     - An EAGLE-3 head in any producer's layout (SafeAILab, SpecForge, speculators, ModelOpt, DeepSpec;
       convert/eagle3_layouts.py) becomes an `Eagle3Drafter` reading the target's features; hidden size,
       vocabulary, d2t and tap layers are checked against the target.
@@ -144,7 +150,7 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
         raise TypeError(f"load_drafter's second argument is the target the drafter serves, a specjax Target "
                         f"(target = specjax.load(path)); got {type(target).__name__}")
     family = drafter_family(path)
-    if rope_theta is not None and family not in ("eagle3", "dflash", "dspark"):
+    if rope_theta is not None and family not in ("eagle3", "dflash", "dflash2", "dspark"):
         what = "MTP layers run with the target's RoPE" if family == "mtp" else \
             "a draft model is a whole model: correct the rope_theta in its own config.json"
         raise ValueError(f"rope_theta= overrides the RoPE base of an EAGLE-3, DFlash or DSpark head's own config; "
@@ -155,6 +161,8 @@ def load_drafter(path: str | Path, target, *, attn_impl: str | None = None, mtp:
         return dspark_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "dflash":
         return dflash_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
+    if family == "dflash2":
+        return dflash2_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta)
     if family == "eagle3":
         return eagle3_drafter(path, target, attn_impl=attn_impl, rope_theta=rope_theta, norm_output=norm_output)
     if family == "mtp":
@@ -244,6 +252,20 @@ def dflash_drafter(path, target, *, dtype: str | None = None, attn_impl: str | N
     block = head_params(host, target)
     params = dflash_family.drafter_params(block, target.params, target.cfg.tie_word_embeddings, has_layer_list(target.params))
     return DFlashDrafter(cfg, params, attn_impl=attn_impl or target.attn_impl)
+
+
+def dflash2_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
+                    rope_theta: float | None = None) -> DFlash2Drafter:
+    """A DFlash2Drafter from a z-lab DFlash2 checkpoint directory, checked against `target`.
+
+    The drafter uses the target's embed and lm_head (the same arrays); its own layers are per-layer whatever the
+    target's layout (its block runs unrolled: a convolution pair and a windowed attention per layer).
+    """
+    cfg, head, host = load_dflash2(path, target.cfg, dtype or target.cfg.dtype)
+    cfg = dataclasses.replace(cfg, layers=_with_theta(cfg.layers, rope_theta))
+    params = dflash_family.drafter_params(head_params(host, target), target.params,
+                                         target.cfg.tie_word_embeddings, per_layer=True)
+    return DFlash2Drafter(cfg, params, attn_impl=attn_impl or target.attn_impl, head=head)
 
 
 def dspark_drafter(path, target, *, dtype: str | None = None, attn_impl: str | None = None,
