@@ -22,6 +22,7 @@ from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain, kary
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DraftModelDrafter
+from specjax.models.target import Target
 
 MAX_NEW = 40
 HYBRID_DRAFT = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"])
@@ -140,13 +141,17 @@ def test_dynamic_trees_are_refused(draft, hybrid_target):
 
 
 def test_sampled_chain_has_the_target_distribution():
-    target, draft_model = tiny_hybrid(5), tiny_hybrid(6)
+    """A noisy copy of the tiny hybrid as its draft: drafts are accepted often (about 0.77 at depth 1, 0.5 at 2),
+    yet its own distribution is far from the target's (the test's power)."""
+    target = tiny_hybrid(5)
+    drafter = noisy_copy(target, 0.05)
     sampling = SamplingConfig(1.0)
     out = specjax.generate(target, [PROMPT] * ROWS, max_new_tokens=NEW, temperature=1.0, seed=11, tree="chain:2",
-                           eos_token_id=[], drafter=DraftModelDrafter(draft_model.cfg, draft_model.params))
+                           eos_token_id=[], drafter=drafter)
     samples = np.array(out.tokens)
     ok, stat, threshold = chi_square_passes(samples, exact_distribution(target, sampling))
     assert ok, f"chi-square {stat:.1f} >= {threshold:.1f}: sampled output is not the target's distribution"
-    ok_draft, stat_draft, _ = chi_square_passes(samples, exact_distribution(draft_model, sampling))
+    own = exact_distribution(Target(drafter.params, drafter.cfg, hf_config={}), sampling)
+    ok_draft, stat_draft, _ = chi_square_passes(samples, own)
     assert not ok_draft and stat_draft > 3 * threshold  # the test has power
-    assert out.stats["acceptance_length"] > 1.0
+    assert out.stats["acceptance_length"] > 1.4
