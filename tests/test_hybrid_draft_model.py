@@ -23,16 +23,21 @@ from specjax.decoding.tree import chain, kary
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DraftModelDrafter
 from specjax.models.target import Target
+from specjax.planning.memory import checkpoint_draft
 
 MAX_NEW = 40
 HYBRID_DRAFT = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"])
 
 
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory):
+def draft_dir(tmp_path_factory):
     """A random 3-layer hybrid (two DeltaNet layers around an attention layer) with the tiny targets' vocabulary."""
-    return specjax.load(save_hf_model(build_qwen35("causal_lm", seed=3, **HYBRID_DRAFT),
-                                      tmp_path_factory.mktemp("hybrid_draft")))
+    return save_hf_model(build_qwen35("causal_lm", seed=3, **HYBRID_DRAFT), tmp_path_factory.mktemp("hybrid_draft"))
+
+
+@pytest.fixture(scope="module")
+def draft(draft_dir):
+    return specjax.load(draft_dir)
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +123,11 @@ def dense_target(tmp_path_factory):
 
 @pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
-def test_greedy_equals_plain(kind, tree, hybrid_target, dense_target, draft, prompts):
+def test_greedy_equals_plain(kind, tree, hybrid_target, dense_target, draft_dir, prompts):
     """A hybrid target with its noisy copy as the draft (rounds accept 0..K drafts), or a dense target with a
-    random hybrid draft."""
+    random hybrid draft (loaded as a user would)."""
     target = hybrid_target if kind == "hybrid" else dense_target
-    drafter = noisy_copy(target, 0.1) if kind == "hybrid" else DraftModelDrafter(draft.cfg, draft.params)
+    drafter = noisy_copy(target, 0.1) if kind == "hybrid" else specjax.load_drafter(draft_dir, target)
     plain = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
     out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter, tree=tree)
     assert out.tokens == plain.tokens
@@ -135,6 +140,16 @@ def test_dynamic_trees_are_refused(draft, hybrid_target):
     with pytest.raises(ValueError, match="hybrid draft model.*not dynamic trees"):
         specjax.generate(hybrid_target, [[5, 6]], max_new_tokens=4, drafter=DraftModelDrafter(draft.cfg, draft.params),
                          tree="dynamic:top_k=2,depth=2,total_tokens=5")
+
+
+def test_memory_plan_counts_the_state_of_a_hybrid_draft(draft_dir, draft):
+    """`specjax plan --memory --drafter`: K/V of the attention layer only, plus each DeltaNet layer's state and
+    conv window per row (fp32 checkpoint)."""
+    cfg, lin = draft.cfg, draft.cfg.linear
+    priced = checkpoint_draft(draft_dir)
+    assert priced.kv_bytes_per_token == 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert priced.state_bytes_per_row == 2 * 4 * (lin.num_value_heads * lin.key_head_dim * lin.value_head_dim +
+                                                  (lin.conv_kernel - 1) * lin.conv_dim)
 
 
 # ---- sampling keeps the target's distribution ---------------------------------------------------------------------
