@@ -106,14 +106,10 @@ class DraftModelDrafter:
 
     def propose(self, params, state, root_B, keys_B, sampling=None):
         model = merge(self.cfg, params)
-        if self.cfg.is_hybrid:
-            if self.settings.tree.is_chain:
-                return self._propose_chain_hybrid(model, state, root_B, keys_B,
-                                                  drafting_values(self.settings, sampling))
-            return self._propose_tree(model, state, root_B)
         if self.settings.tree.is_chain:
-            return self._propose_chain(model, state, root_B, keys_B, drafting_values(self.settings, sampling))
-        if self._dynamic:
+            chain = self._propose_chain_hybrid if self.cfg.is_hybrid else self._propose_chain
+            return chain(model, state, root_B, keys_B, drafting_values(self.settings, sampling))
+        if self._dynamic:  # never a hybrid's (configure refuses it)
             return self._propose_dynamic(model, state, root_B)
         return self._propose_tree(model, state, root_B)
 
@@ -158,13 +154,13 @@ class DraftModelDrafter:
         logits_BV = model.logits(h_B2D[:, 1:])[:, 0]
         tok_B, q_BV = self._choose(keys[0], logits_BV, sampling)
         record = self.settings.record_logits
-        one_B1 = jnp.zeros((root_B.shape[0], 1), jnp.int32)
+        node0_B1 = jnp.zeros((root_B.shape[0], 1), jnp.int32)  # a one-node pass's path
 
         def step(carry, step_keys_B):
             c, tok_B = carry
             h_B1D, _, c = model.forward(tok_B[:, None], c, provisional=True, attn_impl=self.attn_impl)
             nodes = c.nodes
-            c = c.commit(one_B1, one_B1[:, 0] + 1)
+            c = c.commit(node0_B1, node0_B1[:, 0] + 1)
             step_logits_BV = model.logits(h_B1D)[:, 0]
             nxt_B, q_BV = self._choose(step_keys_B, step_logits_BV, sampling)
             return (c, nxt_B), (nodes, nxt_B, q_BV, step_logits_BV if record else None)
