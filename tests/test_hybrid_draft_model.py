@@ -1,9 +1,10 @@
 """A hybrid draft model (Qwen3.5: Gated DeltaNet + attention layers) drafting for a hybrid or a dense target.
 
 Its recurrent state and conv window must follow its drafting: after a round that accepts a prefix of the draft,
-the drafter's state equals a fresh prefill over the sequence so far (chains and static trees, rows accepting
-different lengths), and so does its next draft. Greedy output equals plain decoding (a noisy copy of the hybrid
-target accepts partly; a random hybrid draft for a dense target); sampled chains keep the target's distribution.
+the drafter's state equals a fresh prefill over the sequence so far (chains, static and dynamic trees, rows
+accepting different lengths), and so does its next draft; a dynamic tree's every node is among the draft model's
+top-k after its parent's path. Greedy output equals plain decoding (a noisy copy of the hybrid target accepts
+partly; a random hybrid draft for a dense target); sampled chains keep the target's distribution.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_d
 import specjax
 from specjax.config import SamplingConfig
 from specjax.decoding.drafter import PrefillContext, Settings
-from specjax.decoding.tree import chain, kary
+from specjax.decoding.tree import chain, kary, parse_tree
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DraftModelDrafter
 from specjax.models.target import Target
@@ -69,9 +70,34 @@ def visible(cache, lengths):
     return kv + [np.asarray(x) for x in (*cache.conv, *cache.state)]
 
 
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def paths_in(parents_BN: np.ndarray) -> list[list[int]]:
+    """Row 0 accepts nothing, row 1 its node 1, row 2 the path to its last deepest node."""
+    paths = [path_to(list(parents_BN[2]), i) for i in range(parents_BN.shape[1])]
+    deepest = max(range(len(paths)), key=lambda i: (len(paths[i]), i))
+    return [[0], path_to(list(parents_BN[1]), 1), paths[deepest]]
+
+
+def assert_children_are_top_k(model, prompts, tokens_BN, parents_BN, k):
+    """Every non-root node is among the k best tokens after its parent's path, by a full forward of the prefix."""
+    rows = [(b, i) for b in range(tokens_BN.shape[0]) for i in range(1, tokens_BN.shape[1])]
+    seqs = [prompts[b] + tokens_BN[b, path_to(list(parents_BN[b]), parents_BN[b, i])].tolist() for b, i in rows]
+    ids_ST, lens_S = padded(seqs)
+    logits_STV = np.asarray(model.model(ids_ST, attn_impl="xla"))
+    for (b, i), seq_logits, n in zip(rows, logits_STV, np.asarray(lens_S)):
+        assert tokens_BN[b, i] in np.argsort(-seq_logits[n - 1])[:k], (b, i)
+
+
 # Row b accepts the path's first num_accepted[b] nodes (root included): nothing, a prefix, the whole draft.
 ROUNDS = {"chain:3": (chain(3), [[0], [0, 1, 2], [0, 1, 2, 3]]),
-          "kary:2,2": (kary([2, 2]), [[0], [0, 2], [0, 2, 5]])}
+          "kary:2,2": (kary([2, 2]), [[0], [0, 2], [0, 2, 5]]),
+          "dynamic": (parse_tree("dynamic:top_k=2,depth=3,total_tokens=6", None), None)}
 
 
 @pytest.mark.parametrize("name", list(ROUNDS))
@@ -88,8 +114,13 @@ def test_state_after_a_round_is_the_prefill_of_the_accepted_sequence(draft, prom
                              keys_B)
 
     tokens = np.asarray(draft1.tokens)
+    if paths is None:  # a dynamic tree: each row's own; each frontier pass followed its nodes' paths
+        parents = np.asarray(draft1.parents)
+        assert_children_are_top_k(draft, prompts, tokens, parents, tree.top_k)
+        paths = paths_in(parents)
+        assert len(paths[2]) > 2
     num_accepted = [len(p) for p in paths]
-    path_BN = jnp.asarray([p + [0] * (tree.num_nodes - len(p)) for p in paths], jnp.int32)
+    path_BN = jnp.asarray([p + [0] * (tokens.shape[1] - len(p)) for p in paths], jnp.int32)
     bonus_B = jnp.asarray([11, 12, 13], jnp.int32)
     state2 = update(params, state1, draft1, Verdict(path_BN, jnp.asarray(num_accepted, jnp.int32), bonus_B), ())
 
@@ -121,8 +152,9 @@ def dense_target(tmp_path_factory):
     return specjax.load(save_hf_model(build_hf_model("qwen3", seed=2), tmp_path_factory.mktemp("qwen3")))
 
 
-@pytest.mark.parametrize("tree", ["chain:3", "kary:2,2"])
-@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+@pytest.mark.parametrize("kind, tree", [("hybrid", "chain:3"), ("hybrid", "kary:2,2"),
+                                        ("hybrid", "dynamic:top_k=2,depth=3,total_tokens=6"),
+                                        ("dense", "chain:3"), ("dense", "kary:2,2")])
 def test_greedy_equals_plain(kind, tree, hybrid_target, dense_target, draft_dir, prompts):
     """A hybrid target with its noisy copy as the draft (rounds accept 0..K drafts), or a dense target with a
     random hybrid draft (loaded as a user would)."""
@@ -134,12 +166,6 @@ def test_greedy_equals_plain(kind, tree, hybrid_target, dense_target, draft_dir,
     if kind == "hybrid":  # partly right: the rollback to a prefix runs, and the state it leaves drafts well again
         accepted = out.stats["per_position_acceptance"]
         assert 0.0 < accepted[-1] < accepted[0] < 1.0 and out.stats["acceptance_length"] > 1.8
-
-
-def test_dynamic_trees_are_refused(draft, hybrid_target):
-    with pytest.raises(ValueError, match="hybrid draft model.*not dynamic trees"):
-        specjax.generate(hybrid_target, [[5, 6]], max_new_tokens=4, drafter=DraftModelDrafter(draft.cfg, draft.params),
-                         tree="dynamic:top_k=2,depth=2,total_tokens=5")
 
 
 def test_memory_plan_counts_the_state_of_a_hybrid_draft(draft_dir, draft):

@@ -17,10 +17,10 @@ re-feed runs prev exactly once. Every drafting pass is the target's verify pass 
 the state is left as it was and each node's DeltaNet results are kept. A chain runs [prev, root]
 and then one token per step, each step committed at once (`HybridCache.commit`, the state after it)
 so the next step reads it; the steps' node results, joined, are the chain's results from the
-round's first state. A static tree runs [prev, tree] per depth from the round's first state. `update`
-commits [prev, accepted path minus its last node] with the target's commit: the state then holds
-the prefix before the new prev, at the accepted length of each row. Dynamic trees are refused (a
-frontier pass would need its nodes' states along their paths).
+round's first state. A static tree runs [prev, tree] per depth from the round's first state; a
+dynamic tree runs the whole window [prev, root, expanded slots] per expansion step, each slot under
+its ancestors. `update` commits [prev, accepted path minus its last node] with the target's commit:
+the state then holds the prefix before the new prev, at the accepted length of each row.
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ class DraftModelDrafter:
         return f"DraftModelDrafter({model_summary(self.cfg, self.attn_impl)})"
 
     def configure(self, settings: Settings) -> "DraftModelDrafter":
-        if self.cfg.is_hybrid and isinstance(settings.tree, DynamicTreeSpec):
-            raise ValueError(f"a hybrid draft model ({self.cfg.family}: Gated DeltaNet layers) drafts chains and "
-                             f"static trees, not dynamic trees (tree={settings.tree!r}): a frontier pass would need "
-                             "each node's recurrent state along its path; pass num_draft_tokens=K or a static tree "
-                             "(tree='kary:3,2' or a list of paths)")
         return dataclasses.replace(self, settings=settings)
 
     def calls_per_round(self) -> int:
@@ -86,9 +81,10 @@ class DraftModelDrafter:
         if self.cfg.is_hybrid:  # the state before prev: prev runs in the first round's [prev, root]
             before_B = ctx.prompt_len - 1
             _, _, cache = model.forward(ctx.prompt, cache, attn_impl=self.attn_impl, num_valid_B=before_B)
-            return cache.with_lengths(before_B), prev_B
-        _, _, cache = model.forward(ctx.prompt, cache, attn_impl=self.attn_impl)
-        cache = KVCache(cache.k, cache.v, ctx.prompt_len)
+            cache = cache.with_lengths(before_B)
+        else:
+            _, _, cache = model.forward(ctx.prompt, cache, attn_impl=self.attn_impl)
+            cache = KVCache(cache.k, cache.v, ctx.prompt_len)
         if self._dynamic:  # + each node's cache offset from lengths in the last draft (see _propose_dynamic)
             return cache, prev_B, jnp.zeros((b, self.settings.tree.num_nodes), jnp.int32)
         return cache, prev_B
@@ -109,8 +105,9 @@ class DraftModelDrafter:
         if self.settings.tree.is_chain:
             chain = self._propose_chain_hybrid if self.cfg.is_hybrid else self._propose_chain
             return chain(model, state, root_B, keys_B, drafting_values(self.settings, sampling))
-        if self._dynamic:  # never a hybrid's (configure refuses it)
-            return self._propose_dynamic(model, state, root_B)
+        if self._dynamic:
+            dynamic = self._propose_dynamic_hybrid if self.cfg.is_hybrid else self._propose_dynamic
+            return dynamic(model, state, root_B)
         return self._propose_tree(model, state, root_B)
 
     def _propose_chain(self, model: Decoder, state, root_B, keys_B, sampling):
@@ -238,14 +235,59 @@ class DraftModelDrafter:
         draft = Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_))
         return draft, (KVCache(k, v, length_B), prev_B, offset_BN)
 
+    def _propose_dynamic_hybrid(self, model: Decoder, state, root_B):
+        """EAGLE-2 dynamic tree from a hybrid draft model, deterministic as the dense one's.
+
+        Every pass runs the whole window [prev, root, expanded slots 0..D*K-1] provisionally from the round's
+        first state, each slot under its ancestors (prev and root see only what precedes them; a slot not expanded
+        yet sees prev, root and itself, and nothing sees it), so every frontier node's DeltaNet output follows its
+        own path: one pass for the root's distribution, then one per expansion step. The last pass holds every
+        expanded node's results, which `update` commits along (node -> window index: root 1, slot r at 2 + r;
+        an unexpanded leaf only ends a path, and the path's last node is never committed).
+        """
+        cache, prev_B, _ = state
+        spec = self.settings.tree
+        b, k, r = root_B.shape[0], spec.top_k, spec.depth * spec.top_k
+        offsets_W = jnp.asarray([0, 1] + [2 + j // k for j in range(r)], jnp.int32)  # prev, root, depth + 1
+        positions_BW = cache.lengths[:, None] + offsets_W[None, :]
+        eye_WW = jnp.eye(2 + r, dtype=jnp.bool_)
+        mask_BWW = jnp.broadcast_to(eye_WW | (jnp.arange(2 + r)[None, :] < jnp.minimum(jnp.arange(2 + r), 2)[:, None]),
+                                    (b, 2 + r, 2 + r))
+        tokens_BW = jnp.concatenate([prev_B[:, None], jnp.broadcast_to(root_B[:, None], (b, 1 + r))], axis=1)
+
+        def window_pass(tokens_BW, mask_BWW):
+            return model.forward(tokens_BW, cache, positions_BT=positions_BW, mask_BTT=mask_BWW, provisional=True,
+                                 attn_impl=self.attn_impl)
+
+        h_BWD, _, c = window_pass(tokens_BW, mask_BWW)
+        root_logprobs_BV = jax.nn.log_softmax(model.logits(h_BWD[:, 1:2])[:, 0], axis=-1)
+
+        def step(frontier, carry):
+            tokens_BW, mask_BWW, _ = carry
+            at_K = 2 + frontier.slot + jnp.arange(k)
+            tokens_BW = tokens_BW.at[:, at_K].set(frontier.tokens)
+            seen_BKW = jnp.concatenate([jnp.ones((b, k, 2), jnp.bool_), frontier.ancestors], axis=-1)
+            mask_BWW = mask_BWW.at[:, at_K, :].set(seen_BKW)
+            h_BWD, _, c = window_pass(tokens_BW, mask_BWW)
+            return jax.nn.log_softmax(model.logits(jnp.take(h_BWD, at_K, axis=1)), axis=-1), (tokens_BW, mask_BWW, c)
+
+        tree, (_, _, c) = build_tree(spec, root_B, root_logprobs_BV, step, (tokens_BW, mask_BWW, c))
+        ran_at_BN = jnp.where(tree.expanded_slot >= 0, tree.expanded_slot + 2, 1)
+        draft = Draft(tree.tokens, tree.parents, jnp.ones(tree.tokens.shape, jnp.bool_))
+        return draft, (c, prev_B, ran_at_BN)
+
     def update(self, params, state, draft: Draft, verdict: Verdict, features):
         cache, prev_B = state[:2]
         last_node_B = jnp.take_along_axis(verdict.path, jnp.maximum(verdict.num_accepted - 1, 0)[:, None], axis=1)
         last_tok_B = jnp.take_along_axis(draft.tokens, last_node_B, axis=1)[:, 0]
         prev_B = jnp.where(verdict.num_accepted > 0, last_tok_B, prev_B)
-        if self.cfg.is_hybrid:  # [prev, accepted path less its last node] in the drafted passes' node order
-            ext_path_BN = jnp.concatenate([jnp.zeros_like(verdict.path[:, :1]), verdict.path[:, :-1] + 1], axis=1)
-            return cache.commit(ext_path_BN, verdict.num_accepted), prev_B
+        if self.cfg.is_hybrid:  # [prev, accepted path less its last node], each node where the drafting passes ran it
+            if self._dynamic:
+                ran_at_BN = jnp.take_along_axis(state[2], verdict.path, axis=1)
+            else:
+                ran_at_BN = verdict.path + 1  # prev ran first, then the nodes in order
+            ext_path_BN = jnp.concatenate([jnp.zeros_like(ran_at_BN[:, :1]), ran_at_BN[:, :-1]], axis=1)
+            return (cache.commit(ext_path_BN, verdict.num_accepted), prev_B) + tuple(state[2:])
         if self._dynamic:  # the accepted nodes' K/V sit at their expanded slots, not at their node indices
             offset_BN = state[2]
             return commit(cache, jnp.take_along_axis(offset_BN, verdict.path, axis=1), verdict.num_accepted), \
