@@ -2,9 +2,10 @@
 
 Its recurrent state and conv window must follow its drafting: after a round that accepts a prefix of the draft,
 the drafter's state equals a fresh prefill over the sequence so far (chains, static and dynamic trees, rows
-accepting different lengths), and so does its next draft; a dynamic tree's every node is among the draft model's
-top-k after its parent's path. Greedy output equals plain decoding (a noisy copy of the hybrid target accepts
-partly; a random hybrid draft for a dense target); sampled chains keep the target's distribution.
+accepting different lengths), and so does its next draft; a dynamic tree is the one EAGLE-2's algorithm builds
+from the draft model's full-sequence distributions. Greedy output equals plain decoding (a noisy copy of the
+hybrid target accepts partly; a random hybrid draft for a dense target); sampled chains keep the target's
+distribution.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_tiny import build_hf_model, build_qwen35, save_hf_model
+from jax import lax
+from test_dynamic_tree import reference_tree
 from test_hybrid_speculative import tiny_hybrid
 from test_lossless_sampling import NEW, PROMPT, ROWS, chi_square_passes, exact_distribution
 
@@ -23,6 +26,7 @@ from specjax.decoding.drafter import PrefillContext, Settings
 from specjax.decoding.tree import chain, kary, parse_tree
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DraftModelDrafter
+from specjax.models.model import merge
 from specjax.models.target import Target
 from specjax.planning.memory import checkpoint_draft
 
@@ -84,14 +88,24 @@ def paths_in(parents_BN: np.ndarray) -> list[list[int]]:
     return [[0], path_to(list(parents_BN[1]), 1), paths[deepest]]
 
 
-def assert_children_are_top_k(model, prompts, tokens_BN, parents_BN, k):
-    """Every non-root node is among the k best tokens after its parent's path, by a full forward of the prefix."""
-    rows = [(b, i) for b in range(tokens_BN.shape[0]) for i in range(1, tokens_BN.shape[1])]
-    seqs = [prompts[b] + tokens_BN[b, path_to(list(parents_BN[b]), parents_BN[b, i])].tolist() for b, i in rows]
-    ids_ST, lens_S = padded(seqs)
-    logits_STV = np.asarray(model.model(ids_ST, attn_impl="xla"))
-    for (b, i), seq_logits, n in zip(rows, logits_STV, np.asarray(lens_S)):
-        assert tokens_BN[b, i] in np.argsort(-seq_logits[n - 1])[:k], (b, i)
+def assert_reference_trees(model, prompts, root_B, draft, spec):
+    """Each row's tree is the one EAGLE-2's algorithm builds from the draft model's full-sequence distributions
+    (test_dynamic_tree.reference_tree): every frontier pass followed its nodes' paths."""
+    width = 64
+
+    @jax.jit
+    def logprobs(params, ids_1S, n):
+        logits_1SV = merge(model.cfg, params)(ids_1S, attn_impl="xla")
+        return jax.nn.log_softmax(lax.dynamic_slice_in_dim(logits_1SV, n - 1, 1, axis=1)[0, 0])
+
+    for row, prompt in enumerate(prompts):
+        def logprobs_of(path, prompt=prompt):
+            ids = prompt + list(path)
+            return np.asarray(logprobs(model.params, jnp.asarray([ids + [0] * (width - len(ids))]), len(ids)))
+
+        tokens, parents, _ = reference_tree(int(root_B[row]), logprobs_of, spec.top_k, spec.depth, spec.total_tokens)
+        np.testing.assert_array_equal(np.asarray(draft.tokens[row]), tokens)
+        np.testing.assert_array_equal(np.asarray(draft.parents[row]), parents)
 
 
 # Row b accepts the path's first num_accepted[b] nodes (root included): nothing, a prefix, the whole draft.
@@ -114,10 +128,9 @@ def test_state_after_a_round_is_the_prefill_of_the_accepted_sequence(draft, prom
                              keys_B)
 
     tokens = np.asarray(draft1.tokens)
-    if paths is None:  # a dynamic tree: each row's own; each frontier pass followed its nodes' paths
-        parents = np.asarray(draft1.parents)
-        assert_children_are_top_k(draft, prompts, tokens, parents, tree.top_k)
-        paths = paths_in(parents)
+    if paths is None:  # a dynamic tree: each row's own
+        assert_reference_trees(draft, prompts, np.asarray(root_B), draft1, tree)
+        paths = paths_in(np.asarray(draft1.parents))
         assert len(paths[2]) > 2
     num_accepted = [len(p) for p in paths]
     path_BN = jnp.asarray([p + [0] * (tokens.shape[1] - len(p)) for p in paths], jnp.int32)
