@@ -250,9 +250,8 @@ class DraftModelDrafter:
         b, k, r = root_B.shape[0], spec.top_k, spec.depth * spec.top_k
         offsets_W = jnp.asarray([0, 1] + [2 + j // k for j in range(r)], jnp.int32)  # prev, root, depth + 1
         positions_BW = cache.lengths[:, None] + offsets_W[None, :]
-        eye_WW = jnp.eye(2 + r, dtype=jnp.bool_)
-        mask_BWW = jnp.broadcast_to(eye_WW | (jnp.arange(2 + r)[None, :] < jnp.minimum(jnp.arange(2 + r), 2)[:, None]),
-                                    (b, 2 + r, 2 + r))
+        sees_WW = jnp.eye(2 + r, dtype=jnp.bool_).at[1:, 0].set(True).at[2:, 1].set(True)  # all see prev; slots, root
+        mask_BWW = jnp.broadcast_to(sees_WW, (b, 2 + r, 2 + r))
         tokens_BW = jnp.concatenate([prev_B[:, None], jnp.broadcast_to(root_B[:, None], (b, 1 + r))], axis=1)
 
         def window_pass(tokens_BW, mask_BWW):
