@@ -95,9 +95,13 @@ def test_greedy_equals_plain_under_arrivals_aborts_and_switches(target, plain, f
 
 @pytest.mark.parametrize("kind", ["hybrid", "moe"])
 def test_greedy_equals_plain_on_hybrid_and_moe_targets(tmp_path, kind):
+    """The hybrid target drafts with a hybrid draft model (its DeltaNet state moved, held and caught up per slot as
+    every drafter state is); test_chunked_prefill_equals_plain runs a dense draft model on it."""
     model = build_qwen35("causal_lm") if kind == "hybrid" else build_moe("qwen3_moe")
     t = specjax.load(save_hf_model(model, tmp_path / kind))
-    other = specjax.load(save_hf_model(build_hf_model("qwen3", seed=1, num_hidden_layers=1), tmp_path / "draft"))
+    small = build_qwen35("causal_lm", seed=1, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]) \
+        if kind == "hybrid" else build_hf_model("qwen3", seed=1, num_hidden_layers=1)
+    other = specjax.load(save_hf_model(small, tmp_path / "draft"))
     draft = DraftModelDrafter(other.cfg, params=other.params)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 23, 1, 9, 14)]

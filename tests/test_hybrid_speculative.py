@@ -150,12 +150,6 @@ def test_inspect_draft_on_a_hybrid_target(target, other, prompts):
     assert ins.tokens.shape == (3,) and ins.root == specjax.generate(target, prompts[1:2], max_new_tokens=1).tokens[0][0]
 
 
-def test_a_hybrid_draft_model_is_refused(target):
-    with pytest.raises(ValueError, match="hybrid"):
-        specjax.generate(target, [[5, 6]], max_new_tokens=4, drafter=DraftModelDrafter(target.cfg, target.params),
-                         num_draft_tokens=2)
-
-
 # ---- losslessness of sampling ------------------------------------------------------------------------------------
 
 
