@@ -257,28 +257,24 @@ def test_gptq_matmul_equals_autogptqs(case):
     np.testing.assert_allclose(np.asarray(y), f["y"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_moe"])
-def test_hybrid_and_moe_fp8_checkpoints_equal_transformers(tmp_path, arch):
-    """Block FP8 on Qwen3.5 (linear_attn's in_proj_qkv / in_proj_z / out_proj, the gated attention, the MLPs) and
-    on Qwen3-MoE (every expert, one module each): specjax dequantizes Qwen3.5's at load (docs/quantization.md); a
-    MoE target's experts ([E, ...] values and block scales), attention and dense layers stay quantized. Logits equal
-    transformers' dequantized model; greedy decoding (the experts' one-token path) equals the exact mode's."""
-    from hf_tiny import build_moe, build_qwen35
+def test_moe_fp8_checkpoint_equals_transformers(tmp_path):
+    """Block FP8 on Qwen3-MoE (every expert, one module each): the experts ([E, ...] values and block scales),
+    attention and dense layers stay quantized. Logits equal transformers' dequantized model; greedy decoding (the
+    experts' one-token path) equals the exact mode's. (Qwen3.5's hybrid layers: test_quantized_hybrid.py.)"""
+    from hf_tiny import build_moe
 
-    model = build_qwen35("causal_lm") if arch == "qwen3_5" else build_moe("qwen3_moe", num_hidden_layers=2)
-    path = write_block_fp8(model, tmp_path / arch, block=(16, 16))
+    path = write_block_fp8(build_moe("qwen3_moe", num_hidden_layers=2), tmp_path / "moe", block=(16, 16))
     target = specjax.load(path, dtype="float32")
-    assert ("quantized=fp8" in repr(target)) == (arch == "qwen3_moe")
+    assert "quantized=fp8" in repr(target)
     ref = reference_logits(path)
     np.testing.assert_allclose(logits(target), ref, atol=2e-4 * np.abs(ref).max())
-    if arch == "qwen3_moe":
-        experts = target.params["layers"][0]["moe"]
-        assert all(isinstance(experts[k], QuantizedWeight) and experts[k].shape[0] == 8
-                   for k in ("w_gate", "w_up", "w_down"))
-        exact = specjax.load(path, dtype="float32", dequantize=True)
-        prompts = [[5, 9, 14, 3], [7, 7, 21]]
-        assert specjax.generate(target, prompts, max_new_tokens=8, eos_token_id=[]).tokens == \
-            specjax.generate(exact, prompts, max_new_tokens=8, eos_token_id=[]).tokens
+    experts = target.params["layers"][0]["moe"]
+    assert all(isinstance(experts[k], QuantizedWeight) and experts[k].shape[0] == 8
+               for k in ("w_gate", "w_up", "w_down"))
+    exact = specjax.load(path, dtype="float32", dequantize=True)
+    prompts = [[5, 9, 14, 3], [7, 7, 21]]
+    assert specjax.generate(target, prompts, max_new_tokens=8, eos_token_id=[]).tokens == \
+        specjax.generate(exact, prompts, max_new_tokens=8, eos_token_id=[]).tokens
 
 
 @pytest.mark.parametrize("path", ["gather", "sorted", "ragged", "accelerator"])

@@ -116,3 +116,20 @@ def quantized_formats(tree) -> list[str]:
         if is_quantized(x) and x.fmt not in seen:
             seen.append(x.fmt)
     return seen
+
+
+def take_columns(w: QuantizedWeight, cols: np.ndarray) -> QuantizedWeight | None:
+    """The output columns `cols` of `w` (a load-time split or reorder: Qwen3.5's per-head [q | gate]), values and
+    scales taken together; None where a new scale block would mix columns of different source blocks (the split
+    cuts a block: the caller dequantizes). The output's ragged last block is allowed."""
+    bo = w.block[1]
+    cols = np.asarray(cols)
+    src_block = cols // bo
+    starts = src_block[::bo]
+    if not np.array_equal(src_block, np.repeat(starts, bo)[: len(cols)]):
+        return None
+
+    def per_block(x):
+        return None if x is None else x[..., starts]
+
+    return dataclasses.replace(w, q=w.q[..., cols], scale=per_block(w.scale), zero=per_block(w.zero))
