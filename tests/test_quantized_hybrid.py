@@ -17,7 +17,8 @@ from hf_quant import fp8_copy, reference_model, write_block_fp8
 from hf_tiny import build_hf_model, build_qwen35, save_hf_model
 
 import specjax
-from specjax.convert.qwen35 import split_columns, split_gated_q
+from specjax.config import LinearAttnConfig
+from specjax.convert.qwen35 import split_columns, split_fused, split_gated_q, split_qkvz
 from specjax.drafters import DraftModelDrafter, MtpDrafter
 from specjax.quant.qarray import QuantizedWeight
 
@@ -54,6 +55,35 @@ def test_hybrid_layers_stay_quantized_and_equal_transformers(fp8_dir, target):
         ref = reference_model(fp8_dir)(torch.tensor([PROMPTS[0]])).logits[0].numpy()
     ours = np.asarray(target.model(np.array([PROMPTS[0]])))[0]
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+
+
+def test_qwen3_next_fused_projections_split_quantized_and_equal_transformers(tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba, split per key head into [q | k | v], z, b, a: each part keeps its
+    blocks (16 divides dk 16 and r dv 32; [b | a] is one ragged block); per-expert FP8 experts as well."""
+    from hf_tiny import build_moe
+
+    path = write_block_fp8(build_moe("qwen3_next"), tmp_path / "next", block=(16, 16))
+    target = specjax.load(path, dtype="float32")
+    layer = target.params["layers"][0]
+    assert all(isinstance(layer[k], QuantizedWeight) for k in ("w_qkv", "w_z", "w_out"))
+    assert not isinstance(layer["w_b"], QuantizedWeight)  # [8, 64]: transformers' quantizer left it plain
+    assert isinstance(layer["moe"]["w_up"], QuantizedWeight)
+    with torch.no_grad():
+        ref = reference_model(path)(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+    ours = np.asarray(target.model(np.array([PROMPTS[0]])))[0]
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+
+
+def test_device_bytes_are_the_quantized_size_the_plan_counts(target):
+    """The plan counts every linear_attn projection quantized; transformers' quantizer left in_proj_b / in_proj_a
+    ([4 heads, 64]: not a whole block) plain without listing them, so the plan is under by their 3 bytes each."""
+    from specjax.convert.quantized import read_scheme
+    from specjax.planning.memory import weight_bytes
+
+    held = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    assert held < 0.45 * 4 * target.cfg.num_params()
+    plain_ba = sum(layer[k].size for layer in target.params["layers"].values() for k in ("w_b", "w_a") if k in layer)
+    assert weight_bytes(target.cfg, None, read_scheme(target.hf_config)) + 3 * plain_ba == pytest.approx(held, rel=1e-3)
 
 
 def test_greedy_equals_the_exact_mode_and_draft_model_speculation_is_lossless(fp8_dir, target, plain, tmp_path):
@@ -103,3 +133,24 @@ def test_a_per_head_split_keeps_whole_blocks_and_dequantizes_where_it_cuts_them(
             assert isinstance(part, QuantizedWeight) == kept
             got = part.dequantize(np.float32) if kept else part
             np.testing.assert_array_equal(np.asarray(got), ref)
+
+
+def test_qwen3_next_fused_splits_keep_blocks_where_they_align():
+    """in_proj_qkvz per key head [q 16 | k 16 | v 32 | z 32] in output blocks of 16: kept; in_proj_ba per key head
+    [b 2 | a 2] in blocks of 4 (b and a share one): dequantized, equal to the plain split."""
+    rng = np.random.default_rng(1)
+    lin = LinearAttnConfig(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16, conv_kernel=4)
+    d = 32
+
+    def quantized(o, bo):
+        q = rng.normal(size=(d, o)).astype(ml_dtypes.float8_e4m3fn)
+        scale = rng.uniform(0.5, 2, size=(d // 16, -(-o // bo))).astype(np.float32)
+        return QuantizedWeight(q, scale, block=(16, bo), compute_dtype="float32")
+
+    qkvz, ba = quantized(2 * 96, 16), quantized(8, 4)
+    parts = split_fused(qkvz, ba, lin)
+    want = split_qkvz(np.asarray(qkvz.dequantize(np.float32)).T, np.asarray(ba.dequantize(np.float32)).T, lin)
+    assert [isinstance(p, QuantizedWeight) for p in parts] == [True, True, False, False]
+    for part, ref in zip(parts, want.values()):
+        got = part.dequantize(np.float32) if isinstance(part, QuantizedWeight) else part
+        np.testing.assert_array_equal(np.asarray(got), ref)

@@ -109,6 +109,18 @@ def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray],
     return tuple(parts)
 
 
+def split_fused(qkvz_DO, ba_DO, lin: LinearAttnConfig, prefix: str = "") -> tuple:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba ([in, out], either kept quantized) -> (w_qkv, w_z, w_b, w_a) as
+    split_qkvz splits them, each source apart so a quantized one keeps its blocks (split_columns)."""
+    def part(of_qkvz: bool):
+        def split(w_OD):
+            other = np.zeros(((ba_DO if of_qkvz else qkvz_DO).shape[-1], w_OD.shape[-1]), w_OD.dtype)
+            parts = tuple(split_qkvz(w_OD, other, lin).values() if of_qkvz else split_qkvz(other, w_OD, lin).values())
+            return parts[:2] if of_qkvz else parts[2:]
+        return split
+    return split_columns(qkvz_DO, part(True), prefix + QKVZ) + split_columns(ba_DO, part(False), prefix + BA)
+
+
 def take_mlp(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
     """A layer's MLP half: the dense SwiGLU's tensors, or (a sparse layer) the MoE's."""
     if "moe" in shapes:
@@ -144,12 +156,8 @@ def take_deltanet_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig,
         r = lin.num_value_heads // lin.num_key_heads
         qkvz = take(prefix + QKVZ, (cfg.hidden_size, lin.conv_dim + lin.value_dim), True)  # [D, O]
         ba = take(prefix + BA, (cfg.hidden_size, lin.num_key_heads * 2 * r), True)
-        if is_quantized(qkvz) or is_quantized(ba):  # each source split apart, its parts kept quantized
-            nba = lin.num_key_heads * 2 * r
-            layer["w_qkv"], layer["w_z"] = split_columns(qkvz, lambda w: tuple(split_qkvz(
-                w, np.zeros((nba, w.shape[-1]), w.dtype), lin).values())[:2], prefix + QKVZ)
-            layer["w_b"], layer["w_a"] = split_columns(ba, lambda w: tuple(split_qkvz(
-                np.zeros((qkvz.shape[-1], w.shape[-1]), w.dtype), w, lin).values())[2:], prefix + BA)
+        if is_quantized(qkvz) or is_quantized(ba):
+            layer.update(zip(FUSED_KEYS, split_fused(qkvz, ba, lin, prefix)))
         else:
             qkvz, ba = qkvz.T, ba.T
             parts = deferred_parts(lambda: tuple(split_qkvz(np.asarray(qkvz), np.asarray(ba), lin).values()),

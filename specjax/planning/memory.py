@@ -169,22 +169,43 @@ def checkpoint_draft(path: str | Path) -> Draft:
 
 def weight_bytes(cfg: ModelConfig, shards, scheme: QuantScheme | None = None) -> float:
     """One device's target weights in bytes: every parameter in the model dtype, except, for a quantized
-    checkpoint, the weights specjax keeps quantized (convert/hf.py: a dense model's attention and dense-MLP
-    linears not in the config's ignore list) at `bytes_per_weight`; MoE experts, a hybrid's layers and the
-    lm_head are dequantized at load, so they count at the model dtype."""
+    checkpoint, the linears specjax keeps quantized (convert/hf.py: attention (Qwen3.5's gated q_proj too), dense
+    MLPs, a hybrid's linear_attn projections, routed experts stored one module each and the shared expert; those
+    the config's ignore list names stay plain) at `bytes_per_weight`; the embedding and lm_head count at the
+    model dtype."""
     width = DTYPE_BYTES[str(cfg.dtype)]
     total = cfg.num_params(shards=shards) * width
-    if scheme is None or cfg.is_hybrid:
+    if scheme is None:
         return total
+    quantized = sum(n for i in range(cfg.num_layers) for name, n in quantized_linears(cfg, i, shards).items()
+                    if not scheme.ignored(f"model.layers.{i}.{name}"))
+    return total - quantized * width + quantized * bytes_per_weight(scheme)
+
+
+def quantized_linears(cfg: ModelConfig, i: int, shards) -> dict[str, float]:
+    """Layer i's linears that stay quantized when stored so (module name inside the layer -> one device's count)."""
     share = (lambda count, axis: count / shards.get(axis, 1)) if shards else (lambda count, axis: count)
     d, hd = cfg.hidden_size, cfg.head_dim
-    sizes = {"self_attn.q_proj": share(d * cfg.num_heads * hd, "heads"), "self_attn.o_proj": share(
-        d * cfg.num_heads * hd, "heads"), "self_attn.k_proj": share(d * cfg.num_kv_heads * hd, "kv_heads"),
-        "self_attn.v_proj": share(d * cfg.num_kv_heads * hd, "kv_heads")}
-    mlp = {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in ("gate", "up", "down")}
-    quantized = sum(n for i in range(cfg.num_layers) for name, n in {**sizes, **({} if cfg.is_sparse(i) else mlp)}
-                    .items() if not scheme.ignored(f"model.layers.{i}.{name}"))
-    return total - quantized * width + quantized * bytes_per_weight(scheme)
+    if cfg.layer_type(i) == "full_attention":
+        qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        out = {"self_attn.q_proj": share(d * qd * (2 if cfg.attn_output_gate else 1), "heads"),
+               "self_attn.o_proj": share(d * qd, "heads"), "self_attn.k_proj": share(d * kvd, "kv_heads"),
+               "self_attn.v_proj": share(d * kvd, "kv_heads")}
+    else:
+        lin = cfg.linear
+        out = {"linear_attn.in_proj_qkv": share(d * lin.conv_dim, "conv"),
+               "linear_attn.in_proj_z": share(d * lin.value_dim, "v_heads"),
+               "linear_attn.in_proj_b": share(d * lin.num_value_heads, "v_heads"),
+               "linear_attn.in_proj_a": share(d * lin.num_value_heads, "v_heads"),
+               "linear_attn.out_proj": share(lin.value_dim * d, "v_heads")}
+    if not cfg.is_sparse(i):
+        return out | {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in ("gate", "up", "down")}
+    moe = cfg.moe
+    out |= {f"mlp.experts.{p}_proj": share(moe.num_experts * d * moe.expert_size, "experts")
+            for p in ("gate", "up", "down")}
+    if moe.shared_size:
+        out |= {f"mlp.shared_expert.{p}_proj": share(d * moe.shared_size, "shared") for p in ("gate", "up", "down")}
+    return out
 
 
 def memory_plan(cfg: ModelConfig, model: str, device: DeviceSpec, n: int, batch: int, context: int,
