@@ -257,6 +257,29 @@ def test_gptq_matmul_equals_autogptqs(case):
     np.testing.assert_allclose(np.asarray(y), f["y"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["v2_4bit", "v2_4bit_act_order", "v2_8bit_act_order"])
+def test_gptq_v2_matmul_equals_gptqmodels(case):
+    """`checkpoint_format: gptq_v2` tensors packed by GPTQModel's own TorchLinear.pack_block (zero points stored as
+    they are, a 0 among them) and its CPU matmul's output (scripts/make_gptq_v2_fixtures.py): specjax reads the
+    zero points GPTQModel packed and gives its output (GPTQModel dequantizes in f16: equal to that rounding); read
+    as v1 (zero - 1 stored) the same tensors are off by a whole step."""
+    from pathlib import Path
+
+    f = np.load(Path(__file__).parent / "fixtures" / "gptq" / f"{case}.npz")
+    tensors = {f"m.{k}": f[k] for k in ("qweight", "qzeros", "scales", "g_idx")}
+    ys = {}
+    for fmt in ("gptq_v2", "gptq"):
+        scheme = QuantScheme("gptq", (), {"bits": int(f["bits"]), "group_size": int(f["group_size"]),
+                                          "desc_act": bool(f["desc_act"]), "checkpoint_format": fmt})
+        qw, _ = read_linear(tensors, "m", scheme, "float32")
+        ys[fmt] = np.asarray(jax.jit(lambda x, w: x @ w)(f["x"], jax.tree.map(np.asarray, qw)))
+        if fmt == "gptq_v2":
+            np.testing.assert_array_equal(np.asarray(qw.zero, np.int32), f["zeros"])
+    scale = np.abs(f["y"]).max()
+    np.testing.assert_allclose(ys["gptq_v2"], f["y"], atol=1e-3 * scale)
+    assert np.abs(ys["gptq"] - f["y"]).max() > 0.03 * scale
+
+
 def test_moe_fp8_checkpoint_equals_transformers(tmp_path):
     """Block FP8 on Qwen3-MoE (every expert, one module each): the experts ([E, ...] values and block scales),
     attention and dense layers stay quantized. Logits equal transformers' dequantized model; greedy decoding (the
