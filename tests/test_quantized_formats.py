@@ -8,6 +8,7 @@ compared with transformers' own FP8 dequantization. (Whole-model FP8 parity and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -120,8 +121,9 @@ def test_ragged_last_blocks_take_their_blocks_scale():
     np.testing.assert_array_equal(np.asarray(qw.dequantize(np.float32)).T, want)
     x = rng.normal(size=(3, 130)).astype(np.float32)  # and the jitted matmul computes with it
     import jax
-    np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(x, jax.tree.map(np.asarray, qw))),
-                               x @ want.T, rtol=1e-5, atol=1e-5)
+    for matmul in ("blocks", "ktile"):  # the K-tile form too (input padded to whole blocks)
+        w = jax.tree.map(np.asarray, dataclasses.replace(qw, matmul=matmul))
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(x, w)), x @ want.T, rtol=1e-5, atol=1e-5)
 
 
 def test_int4_unpacking_matches_compressed_tensors():
@@ -275,6 +277,10 @@ def test_gptq_v2_matmul_equals_gptqmodels(case):
         ys[fmt] = np.asarray(jax.jit(lambda x, w: x @ w)(f["x"], jax.tree.map(np.asarray, qw)))
         if fmt == "gptq_v2":
             np.testing.assert_array_equal(np.asarray(qw.zero, np.int32), f["zeros"])
+            if qw.g_idx is None:  # the K-tile form subtracts the zero point per group: the same output
+                ktile = jax.tree.map(np.asarray, dataclasses.replace(qw, matmul="ktile"))
+                np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(f["x"], ktile)), ys[fmt],
+                                           rtol=1e-5, atol=1e-5)
     scale = np.abs(f["y"]).max()
     np.testing.assert_allclose(ys["gptq_v2"], f["y"], atol=1e-3 * scale)
     assert np.abs(ys["gptq"] - f["y"]).max() > 0.03 * scale
