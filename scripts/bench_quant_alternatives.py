@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 import jax
@@ -79,17 +81,19 @@ def bench(k: int, n: int, rows: list[int], repeats: int, outlier_blocks: float) 
 
 
 def hlo_report(k: int, n: int) -> dict:
-    """Per mode, the compiled HLO's fusions: whether the [K, N] weight is written out dequantized in full (an f32 /
-    bf16 [K, N] produced by a fusion before the dot) and how many dots run."""
+    """Per mode, the compiled HLO's fusions: whether a fusion writes out a bf16 / f32 array of the weight's K x N
+    elements (the dequantized weight, or ktile's cast values reshaped [K / 128, 128, N]) before the dot reads it."""
     w = quantize_weight(weight(k, n, 0.0), "fp8")
     x = jnp.ones((1, k), jnp.bfloat16)
     out = {}
     for mode in ("blocks", "ktile", "per_channel"):
         text = jax.jit(lambda x, w: x @ w).lower(x, with_matmul(w, mode)).compile().as_text()
-        full = any(f"bf16[{k},{n}]" in line or f"f32[{k},{n}]" in line for line in text.splitlines()
-                   if " fusion(" in line)
-        out[mode] = {"dequantized_weight_written": full, "dots": text.count(" dot(") + text.count("convolution(")}
-        print(f"  HLO {mode}: full dequantized [{k}, {n}] weight written: {full}", flush=True)
+        full = any(math.prod(int(d) for d in m.group(2).split(",")) == k * n
+                   for line in text.splitlines() if " fusion(" in line
+                   and (m := re.search(r"= (bf16|f32)\[([\d,]+)\]", line)))
+        out[mode] = {"weight_sized_bf16_or_f32_written": full, "hlo_lines": len(text.splitlines())}
+        print(f"  HLO {mode}: a bf16 / f32 array of the weight's {k} x {n} elements written by a fusion: {full}",
+              flush=True)
     return out
 
 

@@ -77,7 +77,7 @@ class QuantizedWeight:
 
     def ktile_matmul(self, x: jax.Array) -> jax.Array:
         """x @ W without the scaled weight: the values cast to x's dtype, one dot per input block of bi rows (its
-        partial product [..., Kt, O] accumulated in fp32), each times its blocks' scales, summed over the blocks.
+        partial product [..., Kt, O]), each times its blocks' scales in fp32, summed over the blocks.
         A zero point subtracts sum(x over the block) x zero. Equal to the dequantized matmul up to rounding (the
         scale multiplies a sum instead of each element). The input is zero-padded to whole blocks."""
         bi = self.block[0]
@@ -86,7 +86,9 @@ class QuantizedWeight:
         pad = kt * bi - k
         x_tiles = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], kt, bi)
         q_tiles = jnp.pad(self.q.astype(x.dtype), ((0, pad), (0, 0))).reshape(kt, bi, n)
-        partial = jnp.einsum("...tb,tbn->...tn", x_tiles, q_tiles, preferred_element_type=jnp.float32)
+        # each partial product in x's dtype, as the plain matmul gives it (XLA's CPU has no batched bf16 x bf16 -> f32
+        # dot), then scaled and summed in fp32
+        partial = jnp.einsum("...tb,tbn->...tn", x_tiles, q_tiles).astype(jnp.float32)
         if self.zero is not None:
             zero_TN = self.expand_columns(self.zero, n, jnp).astype(jnp.float32)
             partial = partial - x_tiles.astype(jnp.float32).sum(-1)[..., None] * zero_TN
