@@ -96,20 +96,36 @@ def test_greedy_equals_the_exact_mode_and_draft_model_speculation_is_lossless(fp
     assert out.tokens == plain.tokens
 
 
-def test_base_checkpoints_mtp_layer_drafts_on_its_fp8_copy_without_mtp(tmp_path):
+@pytest.mark.parametrize("mtp", ["dropped", "quantized"])
+def test_mtp_on_an_fp8_copy_of_the_base(tmp_path, mtp):
     """FP8 releases often drop `mtp.*`: load_drafter(base_dir, fp8_target) reads the bf16 base's MTP layer onto
-    the quantized target; greedy speculation equals plain decoding."""
-    fp8 = fp8_copy(MTP_BASE, tmp_path / "fp8", block=(8, 8), drop=lambda name: name.startswith("mtp."))
+    the quantized target. Others keep it quantized too (its block's linears and fc in FP8): read, dequantized at
+    load. Either way greedy MTP speculation equals plain decoding."""
+    import re
+
+    from hf_quant import LINEAR
+
+    with_mtp = re.compile(rf"{LINEAR.pattern}|mtp\.fc\.weight|mtp\.layers\.\d+\.(self_attn|mlp)\.\w*proj\w*\.weight")
+    fp8 = fp8_copy(MTP_BASE, tmp_path / "fp8", block=(8, 8), drop=lambda name: mtp == "dropped" and
+                   name.startswith("mtp."), linear=with_mtp)
     target = specjax.load(fp8, dtype="float32")
-    assert target.mtp is None and "quantized=fp8" in repr(target)
-    assert isinstance(target.params["layers"][3]["wq"], QuantizedWeight)
-    with pytest.raises(ValueError, match="draft with the target itself"):  # the FP8 copy alone has no MTP layer to draft with
-        specjax.load_drafter(fp8, target)
-    drafter = specjax.load_drafter(MTP_BASE, target)
+    assert "quantized=fp8" in repr(target) and isinstance(target.params["layers"][3]["wq"], QuantizedWeight)
+    if mtp == "dropped":
+        assert target.mtp is None
+        with pytest.raises(ValueError, match="draft with the target itself"):  # the FP8 copy alone has none
+            specjax.load_drafter(fp8, target)
+        drafter = specjax.load_drafter(MTP_BASE, target)
+    else:
+        from safetensors import safe_open
+
+        with safe_open(fp8 / "model.safetensors", "np") as f:
+            assert {"mtp.fc.weight_scale_inv", "mtp.layers.0.self_attn.q_proj.weight_scale_inv"} <= set(f.keys())
+        base_fc = specjax.load(MTP_BASE, dtype="float32").mtp["fc"]
+        assert np.abs(np.asarray(target.mtp["fc"]) - np.asarray(base_fc)).max() <= 2 ** -3 * np.abs(base_fc).max()
+        drafter = specjax.load_drafter(fp8, target)
     assert isinstance(drafter, MtpDrafter)
-    prompts = [[5, 9, 14, 3, 77], [7, 7, 21]]
-    want = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[])
-    out = specjax.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
+    want = specjax.generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[])
+    out = specjax.generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,
                            num_draft_tokens=2)
     assert out.tokens == want.tokens and out.stats["drafter_calls"] > 0
 
