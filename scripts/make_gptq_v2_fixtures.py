@@ -7,14 +7,15 @@ the commit written to meta_v2.json). Nothing is downloaded and no GPTQModel code
 runs this script, the tests read only the npz files it writes.
 
 What is ORIGINAL GPTQModel code, executed unchanged from the given tree: gptqmodel/nn_modules/qlinear/torch.py's
-`TorchLinear` (its `pack_block(linear, scales, zeros, g_idx)`: rounds each weight to its group's grid and packs
-qweight along the input and qzeros along the output, the zero point itself, which is GPTQModel's internal v2
-format and what it saves with format "gptq_v2"; and its eager CPU `_forward_eager` in the module's default (training) mode, whose
-dequantization is PackableQuantLinear.dequantize_weight: unpack, scales[g_idx] * (w - zeros[g_idx]), x @ W). What is not run: the package's `__init__` modules (they import every model definition and
-its optional dependencies): the packages on the way are registered bare, and optional third-party modules GPTQModel
-imports but these two methods never call (pcre, logbar, device_smi, tokenicer, defuser, threadpoolctl) are stubs.
-The native pack extension and the Triton dequantization are switched off by GPTQModel's own environment flags, so
-its Python paths run.
+`TorchLinear`: its `pack_block(linear, scales, zeros, g_idx)` (rounds each weight to its group's grid and packs
+qweight along the input and qzeros along the output, the zero point itself: GPTQModel's internal v2 format, what it
+saves with format "gptq_v2"), and its eager CPU `_forward_eager` in the module's default (training) mode, whose
+dequantization is PackableQuantLinear.dequantize_weight (unpack, scales[g_idx] * (w - zeros[g_idx]), x @ W).
+What is not run: the package's `__init__` modules (they import every model definition and its optional
+dependencies): the packages on the way are registered bare, and the third-party modules GPTQModel imports at module
+level that are not installed here (pcre, logbar: its logger, device_smi, tokenicer, defuser, threadpoolctl) are
+permissive stubs, so its log calls go nowhere. The native pack extension and the Triton dequantization are switched
+off by GPTQModel's own environment flags, so its Python paths run.
 
 What this script chooses (as make_gptq_fixtures.py does for v1): a [out 96, in 128] weight, groups of 32, random
 scales and zero points including 0 (a v2 zero point v1 cannot store: v1 keeps zero - 1), a g_idx from a random

@@ -157,7 +157,8 @@ def test_ktile_and_per_channel_matmuls(fp8_dir, target):
     per_channel = specjax.load(fp8_dir, dtype="float32", quantized_matmul="per_channel")
     w = first_layer(per_channel.params)["w_up"]
     assert w.scale.shape == (1, w.shape[1]) and "re-quantized from fp8 block [32, 32]" in repr(per_channel)
-    exact, moved = (np.asarray(first_layer(dequantize_tree(t.params, "float32"))["w_up"]) for t in (target, per_channel))
+    exact, moved = (np.asarray(first_layer(dequantize_tree(t.params, "float32"))["w_up"])
+                    for t in (target, per_channel))
     assert 0 < np.abs(moved - exact).max() <= 2 ** -3 * np.abs(exact).max()  # FP8's 3 mantissa bits, per column
     with pytest.raises(ValueError, match="quantized_matmul must be one of"):
         specjax.load(fp8_dir, quantized_matmul="tiles")

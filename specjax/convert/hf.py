@@ -51,8 +51,9 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # linears kept quantized when stored so (others are dequantized at load): attention (Qwen3.5's gated q_proj is
 # split per head, convert/qwen35.py), dense MLP, an MoE's experts (one module each) and shared expert, a hybrid's
 # linear_attn projections (Qwen3.5's in_proj_qkv / _z / _b / _a and out_proj, Qwen3-Next's fused in_proj_qkvz / _ba)
-_KEPT_QUANTIZED = re.compile(r"model\.(language_model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\."
-                             r"(in_proj_\w+|out_proj)|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)\.weight")
+_KEPT_QUANTIZED = re.compile(r"model\.(language_model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                             r"linear_attn\.(in_proj_\w+|out_proj)|"
+                             r"mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)\.weight")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
 logger = logging.getLogger("specjax")
 

@@ -11,9 +11,8 @@ projections per key head (`split_qkvz`). A sparse layer's MLP is read by convert
 
 from __future__ import annotations
 
-from typing import Callable
-
 import logging
+from typing import Callable
 
 import numpy as np
 
@@ -112,13 +111,15 @@ def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray],
 def split_fused(qkvz_DO, ba_DO, lin: LinearAttnConfig, prefix: str = "") -> tuple:
     """Qwen3-Next's in_proj_qkvz / in_proj_ba ([in, out], either kept quantized) -> (w_qkv, w_z, w_b, w_a) as
     split_qkvz splits them, each source apart so a quantized one keeps its blocks (split_columns)."""
-    def part(of_qkvz: bool):
-        def split(w_OD):
-            other = np.zeros(((ba_DO if of_qkvz else qkvz_DO).shape[-1], w_OD.shape[-1]), w_OD.dtype)
-            parts = tuple(split_qkvz(w_OD, other, lin).values() if of_qkvz else split_qkvz(other, w_OD, lin).values())
-            return parts[:2] if of_qkvz else parts[2:]
-        return split
-    return split_columns(qkvz_DO, part(True), prefix + QKVZ) + split_columns(ba_DO, part(False), prefix + BA)
+    def of_qkvz(w_OD):  # q, k, v and z come from in_proj_qkvz alone
+        parts = split_qkvz(w_OD, np.zeros((ba_DO.shape[-1], w_OD.shape[-1]), w_OD.dtype), lin)
+        return parts["w_qkv"], parts["w_z"]
+
+    def of_ba(w_OD):
+        parts = split_qkvz(np.zeros((qkvz_DO.shape[-1], w_OD.shape[-1]), w_OD.dtype), w_OD, lin)
+        return parts["w_b"], parts["w_a"]
+
+    return split_columns(qkvz_DO, of_qkvz, prefix + QKVZ) + split_columns(ba_DO, of_ba, prefix + BA)
 
 
 def take_mlp(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
