@@ -24,14 +24,14 @@ LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert|mlp\
                     r"\w*proj\w*\.weight")
 
 
-def rewrite(path: Path, quantize, quantization_config: dict, skip=lambda name: False) -> Path:
-    """Replace every decoder-layer linear weight of the checkpoint at `path` with `quantize(name, w)`'s tensors
-    and record `quantization_config` in config.json."""
+def rewrite(path: Path, quantize, quantization_config: dict, skip=lambda name: False, linear=LINEAR) -> Path:
+    """Replace every decoder-layer linear weight (names `linear` matches) of the checkpoint at `path` with
+    `quantize(name, w)`'s tensors and record `quantization_config` in config.json."""
     file = path / "model.safetensors"
     tensors = load_file(file)
     out = {}
     for name, w in tensors.items():
-        out.update(quantize(name, w) if LINEAR.fullmatch(name) and not skip(name) else {name: w})
+        out.update(quantize(name, w) if linear.fullmatch(name) and not skip(name) else {name: w})
     out = {k: v.contiguous() for k, v in out.items()}
     save_file(out, file, metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
@@ -43,6 +43,29 @@ def rewrite(path: Path, quantize, quantization_config: dict, skip=lambda name: F
 def write_block_fp8(model, path: Path, block=(32, 32), scale_dtype=torch.float32, skip=lambda name: False) -> Path:
     """Block FP8 as transformers' FineGrainedFP8 saves it (weight F8_E4M3 + weight_scale_inv), scales in
     `scale_dtype` (f32: DeepSeek-V3; bf16: Qwen3 FP8)."""
+    save_hf_model(model, path, torch.bfloat16)
+    return fp8_in_place(path, block, scale_dtype, skip)
+
+
+def fp8_copy(src: Path, dst: Path, block=(32, 32), drop=lambda name: False, linear=LINEAR) -> Path:
+    """A saved checkpoint `src` copied to `dst` in block FP8 (transformers' quantizer, as write_block_fp8), the
+    tensors `drop` names left out (what an FP8 release that drops the base's `mtp.*` layers looks like), the
+    weights `linear` matches quantized."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    file = dst / "model.safetensors"
+    save_file({k: v for k, v in load_file(file).items() if not drop(k)}, file, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    if drop("mtp.fc.weight"):  # the MTP layers dropped: config.json no longer counts them
+        config.pop("mtp_num_hidden_layers", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return fp8_in_place(dst, block, linear=linear)
+
+
+def fp8_in_place(path: Path, block=(32, 32), scale_dtype=torch.float32, skip=lambda name: False,
+                 linear=LINEAR) -> Path:
+    """The checkpoint at `path` rewritten in block FP8 by transformers' own `Fp8Quantize`."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
@@ -57,11 +80,11 @@ def write_block_fp8(model, path: Path, block=(32, 32), scale_dtype=torch.float32
         out = op._quantize_one(name, w.float())
         return {k: v.to(scale_dtype) if k.endswith("_scale_inv") else v for k, v in out.items()}
 
-    save_hf_model(model, path, torch.bfloat16)
-    ignored = ["lm_head"] + [n[: -len(".weight")] for n in model.state_dict() if LINEAR.fullmatch(n) and skip(n)]
+    ignored = ["lm_head"] + [n[: -len(".weight")] for n in load_file(path / "model.safetensors")
+                             if LINEAR.fullmatch(n) and skip(n)]
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
           "modules_to_not_convert": ignored}
-    return rewrite(path, quantize, qc, skip)
+    return rewrite(path, quantize, qc, skip, linear)
 
 
 def reference_model(path: Path):

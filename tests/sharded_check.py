@@ -569,7 +569,7 @@ def part_quantized(work: Path, checks: Checks) -> None:
     """A block FP8 target (32 x 32 blocks) at TP 2 and DP 2 x TP 4: outputs equal one device's; each quantized
     weight's values split as the plain weight would be, its scales with their blocks (TP 2: a device's 32 columns
     of wq are one block column, so both split; TP 4: 16 columns would cut a block, so wq and its scales stay whole;
-    w_down's 128 rows split in whole blocks at both)."""
+    w_down's 128 rows split in whole blocks at both). Then block-FP8 MoE experts and a block-FP8 hybrid."""
     from hf_quant import write_block_fp8
     from hf_tiny import build_hf_model, save_hf_model
 
@@ -619,6 +619,23 @@ def part_quantized(work: Path, checks: Checks) -> None:
                    type(experts).__name__)
         checks.same(f"quantized/moe {how}/plain equals one device", specjax.generate(target, prompts, **kw).tokens,
                     want)
+    # a block-FP8 hybrid (Qwen3.5; part "hybrid"'s shapes): its linear_attn projections and the gated attention's
+    # per-head q / gate split stay quantized over DP 2 x TP 4, values and 16 x 16 scales split together
+    from hf_tiny import build_qwen35
+
+    hybrid_dir = write_block_fp8(build_qwen35(seed=7, num_hidden_layers=2, layer_types=[
+        "linear_attention", "full_attention"], num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
+        linear_num_value_heads=8), work / "hybrid_fp8", block=(16, 16))
+    want = specjax.generate(load_on(hybrid_dir, None, dtype="float32"), prompts, **kw).tokens
+    target = load_on(hybrid_dir, mesh, dtype="float32")
+    checks.same("quantized/hybrid dp2_tp4/plain equals one device", specjax.generate(target, prompts, **kw).tokens,
+                want)
+    delta, attn = target.params["layers"][0], target.params["layers"][1]
+    for key, w, dim in (("w_qkv", delta["w_qkv"], 1), ("w_out", delta["w_out"], 0), ("wq", attn["wq"], 1),
+                        ("wg", attn["wg"], 1)):
+        spec = tuple("model" if d == dim else None for d in range(2))
+        checks.same(f"quantized/hybrid dp2_tp4/{key} values and scales", (isinstance(w, QuantizedWeight),
+                    spec_of(w.q), spec_of(w.scale)), (True, spec, spec))
 
 
 def main(part: str, workdir: str) -> None:

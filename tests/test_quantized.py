@@ -62,9 +62,14 @@ def test_logits_equal_transformers_dequantized_model(target, reference):
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
 
 
+def first_layer(params):
+    """Layer 0's weights, whichever layout the target runs (the suite runs stacked layers)."""
+    layers = params["layers"]
+    return layers[0] if 0 in layers else jax.tree.map(lambda x: x[0], layers)
+
+
 def test_weights_stay_quantized_on_the_device(target):
-    layers = target.params["layers"]
-    layer = layers[0] if 0 in layers else jax.tree.map(lambda x: x[0], layers)
+    layer = first_layer(target.params)
     for key in ("wq", "wk", "wv", "w_gate", "w_up", "w_down"):
         w = layer[key]
         assert isinstance(w, QuantizedWeight) and isinstance(w.q, jax.Array), key
@@ -152,3 +157,24 @@ def test_the_plan_counts_quantized_moe_experts_at_their_size(tmp_path):
     held = sum(x.nbytes for x in jax.tree.leaves(target.params))
     planned = weight_bytes(target.cfg, None, read_scheme(target.hf_config))
     assert planned == pytest.approx(held, rel=0.05) and planned < 0.5 * weight_bytes(target.cfg, None)
+
+
+def test_ktile_and_per_channel_matmuls(fp8_dir, target):
+    """quantized_matmul="ktile" (one dot per 32-row block, each partial product scaled) computes the format's
+    numbers; "per_channel" (opt-in) re-quantizes each FP8 block weight to one scale per output column, which moves
+    the weights by FP8 rounding (measured on a larger weight: docs/records/bench_quant_alternatives_cpu.json)."""
+    from specjax.quant.qarray import dequantize_tree
+
+    want = np.asarray(target.model(np.array([PROMPT])))
+    ktile = specjax.load(fp8_dir, dtype="float32", quantized_matmul="ktile")
+    assert first_layer(ktile.params)["wq"].matmul == "ktile"
+    np.testing.assert_allclose(np.asarray(ktile.model(np.array([PROMPT]))), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+    per_channel = specjax.load(fp8_dir, dtype="float32", quantized_matmul="per_channel")
+    w = first_layer(per_channel.params)["w_up"]
+    assert w.scale.shape == (1, w.shape[1]) and "re-quantized from fp8 block [32, 32]" in repr(per_channel)
+    exact, moved = (np.asarray(first_layer(dequantize_tree(t.params, "float32"))["w_up"])
+                    for t in (target, per_channel))
+    assert 0 < np.abs(moved - exact).max() <= 2 ** -3 * np.abs(exact).max()  # FP8's 3 mantissa bits, per column
+    with pytest.raises(ValueError, match="quantized_matmul must be one of"):
+        specjax.load(fp8_dir, quantized_matmul="tiles")

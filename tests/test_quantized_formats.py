@@ -8,6 +8,7 @@ compared with transformers' own FP8 dequantization. (Whole-model FP8 parity and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -120,8 +121,9 @@ def test_ragged_last_blocks_take_their_blocks_scale():
     np.testing.assert_array_equal(np.asarray(qw.dequantize(np.float32)).T, want)
     x = rng.normal(size=(3, 130)).astype(np.float32)  # and the jitted matmul computes with it
     import jax
-    np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(x, jax.tree.map(np.asarray, qw))),
-                               x @ want.T, rtol=1e-5, atol=1e-5)
+    for matmul in ("blocks", "ktile"):  # the K-tile form too (input padded to whole blocks)
+        w = jax.tree.map(np.asarray, dataclasses.replace(qw, matmul=matmul))
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(x, w)), x @ want.T, rtol=1e-5, atol=1e-5)
 
 
 def test_int4_unpacking_matches_compressed_tensors():
@@ -257,28 +259,51 @@ def test_gptq_matmul_equals_autogptqs(case):
     np.testing.assert_allclose(np.asarray(y), f["y"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_moe"])
-def test_hybrid_and_moe_fp8_checkpoints_equal_transformers(tmp_path, arch):
-    """Block FP8 on Qwen3.5 (linear_attn's in_proj_qkv / in_proj_z / out_proj, the gated attention, the MLPs) and
-    on Qwen3-MoE (every expert, one module each): specjax dequantizes Qwen3.5's at load (docs/quantization.md); a
-    MoE target's experts ([E, ...] values and block scales), attention and dense layers stay quantized. Logits equal
-    transformers' dequantized model; greedy decoding (the experts' one-token path) equals the exact mode's."""
-    from hf_tiny import build_moe, build_qwen35
+@pytest.mark.parametrize("case", ["v2_4bit", "v2_4bit_act_order", "v2_8bit_act_order"])
+def test_gptq_v2_matmul_equals_gptqmodels(case):
+    """`checkpoint_format: gptq_v2` tensors packed by GPTQModel's own TorchLinear.pack_block (zero points stored as
+    they are, a 0 among them) and its CPU matmul's output (scripts/make_gptq_v2_fixtures.py): specjax reads the
+    zero points GPTQModel packed and gives its output (GPTQModel dequantizes in f16: equal to that rounding); read
+    as v1 (zero - 1 stored) the same tensors are off by a whole step."""
+    from pathlib import Path
 
-    model = build_qwen35("causal_lm") if arch == "qwen3_5" else build_moe("qwen3_moe", num_hidden_layers=2)
-    path = write_block_fp8(model, tmp_path / arch, block=(16, 16))
+    f = np.load(Path(__file__).parent / "fixtures" / "gptq" / f"{case}.npz")
+    tensors = {f"m.{k}": f[k] for k in ("qweight", "qzeros", "scales", "g_idx")}
+    ys = {}
+    for fmt in ("gptq_v2", "gptq"):
+        scheme = QuantScheme("gptq", (), {"bits": int(f["bits"]), "group_size": int(f["group_size"]),
+                                          "desc_act": bool(f["desc_act"]), "checkpoint_format": fmt})
+        qw, _ = read_linear(tensors, "m", scheme, "float32")
+        ys[fmt] = np.asarray(jax.jit(lambda x, w: x @ w)(f["x"], jax.tree.map(np.asarray, qw)))
+        if fmt == "gptq_v2":
+            np.testing.assert_array_equal(np.asarray(qw.zero, np.int32), f["zeros"])
+            if qw.g_idx is None:  # the K-tile form subtracts the zero point per group: the same output
+                ktile = jax.tree.map(np.asarray, dataclasses.replace(qw, matmul="ktile"))
+                np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(f["x"], ktile)), ys[fmt],
+                                           rtol=1e-5, atol=1e-5)
+    scale = np.abs(f["y"]).max()
+    np.testing.assert_allclose(ys["gptq_v2"], f["y"], atol=1e-3 * scale)
+    assert np.abs(ys["gptq"] - f["y"]).max() > 0.03 * scale
+
+
+def test_moe_fp8_checkpoint_equals_transformers(tmp_path):
+    """Block FP8 on Qwen3-MoE (every expert, one module each): the experts ([E, ...] values and block scales),
+    attention and dense layers stay quantized. Logits equal transformers' dequantized model; greedy decoding (the
+    experts' one-token path) equals the exact mode's. (Qwen3.5's hybrid layers: test_quantized_hybrid.py.)"""
+    from hf_tiny import build_moe
+
+    path = write_block_fp8(build_moe("qwen3_moe", num_hidden_layers=2), tmp_path / "moe", block=(16, 16))
     target = specjax.load(path, dtype="float32")
-    assert ("quantized=fp8" in repr(target)) == (arch == "qwen3_moe")
+    assert "quantized=fp8" in repr(target)
     ref = reference_logits(path)
     np.testing.assert_allclose(logits(target), ref, atol=2e-4 * np.abs(ref).max())
-    if arch == "qwen3_moe":
-        experts = target.params["layers"][0]["moe"]
-        assert all(isinstance(experts[k], QuantizedWeight) and experts[k].shape[0] == 8
-                   for k in ("w_gate", "w_up", "w_down"))
-        exact = specjax.load(path, dtype="float32", dequantize=True)
-        prompts = [[5, 9, 14, 3], [7, 7, 21]]
-        assert specjax.generate(target, prompts, max_new_tokens=8, eos_token_id=[]).tokens == \
-            specjax.generate(exact, prompts, max_new_tokens=8, eos_token_id=[]).tokens
+    experts = target.params["layers"][0]["moe"]
+    assert all(isinstance(experts[k], QuantizedWeight) and experts[k].shape[0] == 8
+               for k in ("w_gate", "w_up", "w_down"))
+    exact = specjax.load(path, dtype="float32", dequantize=True)
+    prompts = [[5, 9, 14, 3], [7, 7, 21]]
+    assert specjax.generate(target, prompts, max_new_tokens=8, eos_token_id=[]).tokens == \
+        specjax.generate(exact, prompts, max_new_tokens=8, eos_token_id=[]).tokens
 
 
 @pytest.mark.parametrize("path", ["gather", "sorted", "ragged", "accelerator"])

@@ -48,10 +48,12 @@ _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # The dense decoder layer's linear weights: the ones that may stay quantized (models/decoder.py multiplies them
 # with `x @ w`); which of them are quantized is read from the tensors themselves.
-# linears kept quantized when stored so (others are dequantized at load): attention, dense MLP, an MoE's experts
-# (one module each) and shared expert
-_KEPT_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_expert\.)?"
-                             r"(gate|up|down)_proj)\.weight")
+# linears kept quantized when stored so (others are dequantized at load): attention (Qwen3.5's gated q_proj is
+# split per head, convert/qwen35.py), dense MLP, an MoE's experts (one module each) and shared expert, a hybrid's
+# linear_attn projections (Qwen3.5's in_proj_qkv / _z / _b / _a and out_proj, Qwen3-Next's fused in_proj_qkvz / _ba)
+_KEPT_QUANTIZED = re.compile(r"model\.(language_model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                             r"linear_attn\.(in_proj_\w+|out_proj)|"
+                             r"mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)\.weight")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
 logger = logging.getLogger("specjax")
 
@@ -82,10 +84,10 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, scheme: QuantS
                 ) -> tuple[dict[str, np.ndarray], set[str]]:
     """(the param tree the config asks for, the tensor names it used); a missing or mis-shaped one is an error.
 
-    With a quantization `scheme` (convert/quantized.py), a decoder layer's attention, dense-MLP, expert or shared-
-    expert linear stored quantized stays a QuantizedWeight (its [in, out] values and scales; experts stacked
-    [E, ...]); any other quantized weight (a hybrid's projections, the lm_head) is dequantized to the config's
-    dtype here.
+    With a quantization `scheme` (convert/quantized.py), a decoder layer's attention, dense-MLP, expert, shared-
+    expert or linear_attn linear stored quantized stays a QuantizedWeight (its [in, out] values and scales; experts
+    stacked [E, ...]; a per-head split keeps whole scale blocks, convert/qwen35.py); any other quantized weight
+    (the lm_head, the embedding, an MTP layer's) is dequantized to the config's dtype here.
     """
     dtype = NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
@@ -100,7 +102,7 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, scheme: QuantS
                     raise ValueError(f"quantized weight '{name}' has shape {list(qw.shape[::-1])}; the config "
                                      f"implies {list(want[::-1])}")
                 used.update(names)
-                if transpose and not cfg.is_hybrid and _KEPT_QUANTIZED.fullmatch(name):
+                if transpose and _KEPT_QUANTIZED.fullmatch(name):
                     return qw
                 w = qw.dequantize(dtype)
                 return w if transpose else w.T

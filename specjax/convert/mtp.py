@@ -24,6 +24,8 @@ Three layouts (torch [out, in] weights; H = the target's hidden size, V its voca
   the same prefix (vllm/model_executor/models/mimo_mtp.py maps them to its mtp_block).
   config.json: num_nextn_predict_layers.
 
+A quantized checkpoint's MTP linears (FP8 releases that keep `mtp.*` quantize them too) are dequantized to the
+target's dtype here, as the format defines them (convert/quantized.py); the MTP drafter runs plain weights.
 specjax's MTP block is a full-attention decoder layer of the target's family, so every block tensor
 must have the shape of one of the target's layers; on an MoE target a block with a router
 (`mlp.gate.weight`) has the target's experts (convert/moe.py; Qwen3.5-MoE: fused, 19 tensors per
@@ -48,6 +50,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
 from specjax.convert.moe import ROUTER, moe_hf_tensors
+from specjax.convert.quantized import QuantScheme, read_linear, read_scheme
 from specjax.convert.qwen35 import GATED_Q, join_gated_q, take_attention_layer
 from specjax.drafters.mtp import layer_shapes
 
@@ -87,12 +90,21 @@ def _layout_names(prefix: str, layout: str) -> dict[str, str]:
 class _Reader:
     """Takes tensors by name with shape checks whose errors say what the target implies."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], cfg: ModelConfig):
-        self.tensors, self.cfg, self.used = tensors, cfg, set()
+    def __init__(self, tensors: dict[str, np.ndarray], cfg: ModelConfig, scheme: QuantScheme | None = None):
+        self.tensors, self.cfg, self.used, self.scheme = tensors, cfg, set(), scheme
         self.dtype = _np_dtype(cfg)
 
     def take(self, name: str, shape: tuple[int, ...], transpose: bool, why: str) -> np.ndarray:
         stored_shape = shape[::-1] if transpose else shape
+        if self.scheme is not None and name.endswith(".weight"):  # a quantized MTP linear: dequantized here
+            qw, names = read_linear(self.tensors, name[: -len(".weight")], self.scheme, self.cfg.dtype)
+            if qw is not None:
+                if qw.shape[::-1] != stored_shape:
+                    raise ValueError(f"quantized MTP weight '{name}' has shape {list(qw.shape[::-1])} but {why} "
+                                     f"implies {list(stored_shape)}")
+                self.used.update(names)
+                w = np.asarray(qw.dequantize(self.dtype))
+                return w if transpose else w.T
         if name not in self.tensors:
             raise ValueError(f"checkpoint lacks MTP tensor '{name}' (shape {stored_shape}, {why})")
         t = self.tensors[name]
@@ -153,7 +165,7 @@ def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig,
     ValueError naming the tensor for a missing or mis-shaped one, for MTP tensors specjax does not
     know (an MoE or MLA block, say), and for a layer count that disagrees with config.json.
     """
-    reader = _Reader(tensors, cfg)
+    reader = _Reader(tensors, cfg, read_scheme(hf))
     qwen = [n for n in names if n.startswith("mtp.")]
     mimo = [n for n in names if n.startswith(MIMO_PREFIX)]
     deepseek = [n for n in names if not n.startswith(("mtp.", MIMO_PREFIX))]

@@ -11,6 +11,7 @@ projections per key head (`split_qkvz`). A sparse layer's MLP is read by convert
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
@@ -20,6 +21,7 @@ from specjax.convert.hf_files import LAYER_KEYS
 from specjax.convert.lazy import deferred_parts
 from specjax.convert.moe import moe_hf_tensors, take_moe
 from specjax.models.model import param_shapes
+from specjax.quant.qarray import QuantizedWeight, is_quantized, take_columns
 
 PREFIXES = ("model.", "model.language_model.")
 VISION_PREFIX = "model.visual."
@@ -47,6 +49,7 @@ CONV = "linear_attn.conv1d.weight"
 QKVZ, BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
 FUSED_KEYS = ("w_qkv", "w_z", "w_b", "w_a")
 
+logger = logging.getLogger("specjax")
 Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected shape, transpose) -> array
 
 
@@ -89,6 +92,36 @@ def join_qkvz(layer: dict, lin: LinearAttnConfig) -> tuple[np.ndarray, np.ndarra
     return np.concatenate(group, axis=1).reshape(-1, d), np.concatenate(ba, axis=1).reshape(-1, d)
 
 
+def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray], tuple], name: str) -> tuple:
+    """`split` (a per-head split of an [O, D] weight into [D, n] parts, e.g. split_gated_q) applied to `w` [D, O]
+    kept quantized: each part's columns taken with their scales (quant/qarray.take_columns), found by splitting the
+    column indices themselves. A part whose columns cut a scale block is dequantized (logged, naming the tensor)."""
+    if not is_quantized(w):
+        return tuple(split(np.asarray(w).T))
+    parts = []
+    for part in split(np.arange(w.shape[-1])[:, None]):
+        kept = take_columns(w, part[0])
+        if kept is None:
+            logger.info("'%s' (%s): a per-head split cuts its scale blocks; dequantized at load", name, w.fmt)
+            kept = np.asarray(w.dequantize())[:, part[0]]
+        parts.append(kept)
+    return tuple(parts)
+
+
+def split_fused(qkvz_DO, ba_DO, lin: LinearAttnConfig, prefix: str = "") -> tuple:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba ([in, out], either kept quantized) -> (w_qkv, w_z, w_b, w_a) as
+    split_qkvz splits them, each source apart so a quantized one keeps its blocks (split_columns)."""
+    def of_qkvz(w_OD):  # q, k, v and z come from in_proj_qkvz alone
+        parts = split_qkvz(w_OD, np.zeros((ba_DO.shape[-1], w_OD.shape[-1]), w_OD.dtype), lin)
+        return parts["w_qkv"], parts["w_z"]
+
+    def of_ba(w_OD):
+        parts = split_qkvz(np.zeros((qkvz_DO.shape[-1], w_OD.shape[-1]), w_OD.dtype), w_OD, lin)
+        return parts["w_b"], parts["w_a"]
+
+    return split_columns(qkvz_DO, of_qkvz, prefix + QKVZ) + split_columns(ba_DO, of_ba, prefix + BA)
+
+
 def take_mlp(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
     """A layer's MLP half: the dense SwiGLU's tensors, or (a sparse layer) the MoE's."""
     if "moe" in shapes:
@@ -101,9 +134,17 @@ def take_attention_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig
     """One gated full-attention layer's params from the tensors under `prefix` (a target layer or an MTP block)."""
     layer = {k: take(prefix + name, shapes[k], tr) for k, (name, tr) in ATTENTION_KEYS.items() if k not in _MLP}
     qd = cfg.num_heads * cfg.head_dim
-    q_proj = take(prefix + GATED_Q, (cfg.hidden_size, 2 * qd), True).T
-    layer["wq"], layer["wg"] = deferred_parts(lambda: split_gated_q(np.asarray(q_proj), cfg.num_heads, cfg.head_dim),
-                                              [(cfg.hidden_size, qd)] * 2, q_proj.dtype, q_proj)
+    q_proj = take(prefix + GATED_Q, (cfg.hidden_size, 2 * qd), True)  # [D, 2 qd], or kept quantized
+
+    def split(w_OD):
+        return split_gated_q(w_OD, cfg.num_heads, cfg.head_dim)
+
+    if is_quantized(q_proj):
+        layer["wq"], layer["wg"] = split_columns(q_proj, split, prefix + GATED_Q)
+    else:
+        q_proj = q_proj.T
+        layer["wq"], layer["wg"] = deferred_parts(lambda: split(np.asarray(q_proj)), [(cfg.hidden_size, qd)] * 2,
+                                                  q_proj.dtype, q_proj)
     return {**layer, **take_mlp(take, tensors, prefix, shapes)}
 
 
@@ -114,11 +155,15 @@ def take_deltanet_layer(take: Take, prefix: str, shapes: dict, cfg: ModelConfig,
     if fused_projections:
         lin = cfg.linear
         r = lin.num_value_heads // lin.num_key_heads
-        qkvz = take(prefix + QKVZ, (cfg.hidden_size, lin.conv_dim + lin.value_dim), True).T
-        ba = take(prefix + BA, (cfg.hidden_size, lin.num_key_heads * 2 * r), True).T
-        parts = deferred_parts(lambda: tuple(split_qkvz(np.asarray(qkvz), np.asarray(ba), lin).values()),
-                               [shapes[k] for k in FUSED_KEYS], qkvz.dtype, qkvz, ba)
-        layer.update(zip(FUSED_KEYS, parts))
+        qkvz = take(prefix + QKVZ, (cfg.hidden_size, lin.conv_dim + lin.value_dim), True)  # [D, O]
+        ba = take(prefix + BA, (cfg.hidden_size, lin.num_key_heads * 2 * r), True)
+        if is_quantized(qkvz) or is_quantized(ba):
+            layer.update(zip(FUSED_KEYS, split_fused(qkvz, ba, lin, prefix)))
+        else:
+            qkvz, ba = qkvz.T, ba.T
+            parts = deferred_parts(lambda: tuple(split_qkvz(np.asarray(qkvz), np.asarray(ba), lin).values()),
+                                   [shapes[k] for k in FUSED_KEYS], qkvz.dtype, qkvz, ba)
+            layer.update(zip(FUSED_KEYS, parts))
     k, c = shapes["conv_w"]
     layer["conv_w"] = take(prefix + CONV, (c, 1, k), False)[:, 0, :].T
     return {**layer, **take_mlp(take, tensors, prefix, shapes)}

@@ -24,6 +24,7 @@ from specjax.models.model import merge
 from specjax.models.sharding import abstract, param_shardings, place, replicated, resolve_mesh, with_expert_parallel
 from specjax.models.target import Target, serving_layout
 from specjax.quant.qarray import dequantize_tree
+from specjax.quant.quantize import check_matmul, with_matmul
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -37,7 +38,8 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
 
 
 def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto", mesh=None,
-         tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False) -> Target:
+         tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False,
+         quantized_matmul: str = "blocks") -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     A quantized checkpoint (block FP8, compressed-tensors, AWQ, GPTQ: convert/quantized.py) keeps its weights
@@ -53,6 +55,10 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
         tensor_parallel: n: the same over a (1, n) mesh of the job's first n devices (jax.devices()).
         rules: logical axis name -> mesh axis, in place of models/sharding.py's RULES (e.g. its EXPERT_PARALLEL).
         dequantize: for a quantized checkpoint, dequantize the weights to `dtype` once, here (the exact mode).
+        quantized_matmul: how a quantized weight multiplies: "blocks" (the default: dequantized inside the matmul,
+            each block times its scale), "ktile" (one dot per 128-row input block, each partial product scaled),
+            or "per_channel" (opt-in, changes the numbers: FP8 block weights re-quantized at load to one scale per
+            output column; docs/quantization.md reports its error).
 
     Returns:
         A `Target`.
@@ -75,6 +81,7 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     _check_dtype(dtype)
     if attn_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"attn_impl must be 'xla', 'pallas' or 'auto', got {attn_impl!r}")
+    check_matmul(quantized_matmul)
     mesh = resolve_mesh(mesh, tensor_parallel, rules)
     if checkpoint.is_checkpoint(path):
         hf_config, meta = checkpoint.read_configs(path)
@@ -87,6 +94,7 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
         hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None)
         if dequantize:
             params = dequantize_tree(params, cfg.dtype)
+        params = with_matmul(params, quantized_matmul)
     generation = read_generation_config(path / "generation_config.json")
     cfg = with_generation_eos(cfg, generation, path / "generation_config.json")
     mtp = params.pop("mtp", None)  # MTP layers ride along for the MTP drafter; the target's graph never sees them

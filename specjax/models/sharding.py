@@ -225,8 +225,8 @@ def quantized_specs(names: tuple, qw: QuantizedWeight, mesh, counts: dict[str, i
             s_spec[d] = axis
         else:
             q_spec[d] = None
-    return QuantizedWeight(P(*q_spec), P(*s_spec), None if qw.zero is None else P(*s_spec),
-                           None if qw.g_idx is None else P(*q_spec[:-1]), qw.block, qw.fmt, qw.compute_dtype)
+    return dataclasses.replace(qw, q=P(*q_spec), scale=P(*s_spec), zero=None if qw.zero is None else P(*s_spec),
+                               g_idx=None if qw.g_idx is None else P(*q_spec[:-1]))
 
 
 def replicated(params, mesh: Mesh):

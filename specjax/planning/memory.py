@@ -41,7 +41,7 @@ from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 from specjax.planning.profile import DEVICES, DTYPE_BYTES, DeviceSpec, check_tensor_parallel
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
-# The six cases of docs/planning.md's memory table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
+# The six cases of the README's table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
 SERVED_CASES = (("Llama-3.3-70B", 8), ("Qwen3.5-27B", 2), ("Qwen3.5-122B-A10B", 8))
 EAGLE3_DRAFT_VOCAB = 32000  # SafeAILab's EAGLE-3 heads' draft vocabulary (REFERENCE.md: lm_head [32000, H])
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -50,13 +50,11 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """One device's share of the draft: its weights, its KV cache per cached token of one row, and a hybrid draft
-    model's recurrent state and conv windows per row (bytes)."""
+    """One device's share of the draft: its weights and its KV cache per cached token of one row (bytes)."""
 
     what: str
     weight_bytes: float
     kv_bytes_per_token: float
-    state_bytes_per_row: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +81,7 @@ class MemoryPlan:
 
     @property
     def draft_bytes(self) -> float:
-        return self.draft.weight_bytes + self.batch * (self.context * self.draft.kv_bytes_per_token +
-                                                       self.draft.state_bytes_per_row)
+        return self.draft.weight_bytes + self.batch * self.context * self.draft.kv_bytes_per_token
 
     @property
     def free_bytes(self) -> float:
@@ -93,8 +90,7 @@ class MemoryPlan:
     @property
     def max_batch(self) -> int:
         """Rows of `context` tokens that fit beside the weights (target's and draft's): 0 when none does."""
-        per_row = self.context * (self.kv_bytes_per_token + self.draft.kv_bytes_per_token) + \
-            self.state_bytes_per_row + self.draft.state_bytes_per_row
+        per_row = self.context * (self.kv_bytes_per_token + self.draft.kv_bytes_per_token) + self.state_bytes_per_row
         room = self.capacity - self.weight_bytes - self.draft.weight_bytes
         return max(0, math.floor(room / per_row)) if per_row else 0
 
@@ -155,8 +151,7 @@ def typical_draft(cfg: ModelConfig, mtp_layers: int, tp: TensorParallel) -> Draf
 def checkpoint_draft(path: str | Path) -> Draft:
     """A drafter directory's share, whole on every device: its safetensors tensors as stored (their headers'
     dtypes and shapes; nothing is read beyond them) and a KV cache of its config's layers x kv heads x head_dim
-    (in its dtype) per cached token; a hybrid draft model (Qwen3.5) caches K/V in its full-attention layers only
-    and keeps a recurrent state and conv window per DeltaNet layer and row."""
+    (in its dtype) per cached token."""
     path = Path(path)
     files = safetensors_files(path)
     total = 0
@@ -165,11 +160,6 @@ def checkpoint_draft(path: str | Path) -> Draft:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     hf = text_config(read_hf_config(path))
-    if "linear_attention" in (hf.get("layer_types") or ()):
-        cfg = ModelConfig.from_hf(hf)
-        whole = split_model(cfg, 1)
-        return Draft(f"drafter {path.name} (its checkpoint, replicated)", float(total),
-                     kv_bytes_per_token(cfg, whole), recurrent_bytes(cfg, whole))
     layers, heads = int(hf.get("num_hidden_layers", 1)), int(hf["num_attention_heads"])
     kv_heads, head_dim = int(hf.get("num_key_value_heads") or heads), hf.get("head_dim") or hf["hidden_size"] // heads
     width = DTYPE_BYTES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", ""), 2)
@@ -179,33 +169,43 @@ def checkpoint_draft(path: str | Path) -> Draft:
 
 def weight_bytes(cfg: ModelConfig, shards, scheme: QuantScheme | None = None) -> float:
     """One device's target weights in bytes: every parameter in the model dtype, except, for a quantized
-    checkpoint, the weights specjax keeps quantized (convert/hf.py: attention, dense-MLP, routed-expert and
-    shared-expert linears not in the config's ignore list) at `bytes_per_weight`; a hybrid's layers and the lm_head
-    are dequantized at load, so they count at the model dtype."""
+    checkpoint, the linears specjax keeps quantized (convert/hf.py: attention (Qwen3.5's gated q_proj too), dense
+    MLPs, a hybrid's linear_attn projections, routed experts stored one module each and the shared expert; those
+    the config's ignore list names stay plain) at `bytes_per_weight`; the embedding and lm_head count at the
+    model dtype."""
     width = DTYPE_BYTES[str(cfg.dtype)]
     total = cfg.num_params(shards=shards) * width
-    if scheme is None or cfg.is_hybrid:
+    if scheme is None:
         return total
-    share = (lambda count, axis: count / shards.get(axis, 1)) if shards else (lambda count, axis: count)
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attention = {"self_attn.q_proj": share(d * cfg.num_heads * hd, "heads"), "self_attn.o_proj": share(
-        d * cfg.num_heads * hd, "heads"), "self_attn.k_proj": share(d * cfg.num_kv_heads * hd, "kv_heads"),
-        "self_attn.v_proj": share(d * cfg.num_kv_heads * hd, "kv_heads")}
-    projections = ("gate", "up", "down")
-
-    def mlp(i: int) -> dict[str, float]:
-        if not cfg.is_sparse(i):
-            return {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in projections}
-        moe = cfg.moe
-        linears = {f"mlp.experts.{j}.{p}_proj": share(d * moe.expert_size, "experts")
-                   for j in range(moe.num_experts) for p in projections}
-        if moe.shared_size:
-            linears.update({f"mlp.shared_expert.{p}_proj": share(d * moe.shared_size, "shared") for p in projections})
-        return linears
-
-    quantized = sum(n for i in range(cfg.num_layers) for name, n in {**attention, **mlp(i)}.items()
+    quantized = sum(n for i in range(cfg.num_layers) for name, n in quantized_linears(cfg, i, shards).items()
                     if not scheme.ignored(f"model.layers.{i}.{name}"))
     return total - quantized * width + quantized * bytes_per_weight(scheme)
+
+
+def quantized_linears(cfg: ModelConfig, i: int, shards) -> dict[str, float]:
+    """Layer i's linears that stay quantized when stored so (module name inside the layer -> one device's count)."""
+    share = (lambda count, axis: count / shards.get(axis, 1)) if shards else (lambda count, axis: count)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    if cfg.layer_type(i) == "full_attention":
+        qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        out = {"self_attn.q_proj": share(d * qd * (2 if cfg.attn_output_gate else 1), "heads"),
+               "self_attn.o_proj": share(d * qd, "heads"), "self_attn.k_proj": share(d * kvd, "kv_heads"),
+               "self_attn.v_proj": share(d * kvd, "kv_heads")}
+    else:
+        lin = cfg.linear
+        out = {"linear_attn.in_proj_qkv": share(d * lin.conv_dim, "conv"),
+               "linear_attn.in_proj_z": share(d * lin.value_dim, "v_heads"),
+               "linear_attn.in_proj_b": share(d * lin.num_value_heads, "v_heads"),
+               "linear_attn.in_proj_a": share(d * lin.num_value_heads, "v_heads"),
+               "linear_attn.out_proj": share(lin.value_dim * d, "v_heads")}
+    if not cfg.is_sparse(i):
+        return out | {f"mlp.{p}_proj": share(d * cfg.intermediate_size, "mlp") for p in ("gate", "up", "down")}
+    moe = cfg.moe
+    out |= {f"mlp.experts.{p}_proj": share(moe.num_experts * d * moe.expert_size, "experts")
+            for p in ("gate", "up", "down")}
+    if moe.shared_size:
+        out |= {f"mlp.shared_expert.{p}_proj": share(d * moe.shared_size, "shared") for p in ("gate", "up", "down")}
+    return out
 
 
 def memory_plan(cfg: ModelConfig, model: str, device: DeviceSpec, n: int, batch: int, context: int,

@@ -39,6 +39,9 @@ class QuantizedWeight:
     block: tuple[int, int] = dataclasses.field(default=(1, 1), metadata=dict(static=True))
     fmt: str = dataclasses.field(default="", metadata=dict(static=True))         # e.g. "fp8 block 128x128"
     compute_dtype: str = dataclasses.field(default="bfloat16", metadata=dict(static=True))
+    # "blocks": dequantize the weight (each block times its scale), then one dot; "ktile": one dot per input block,
+    # each [..., O] partial product scaled by its blocks' scales, then summed (MATMULS; opt-in, specjax.load)
+    matmul: str = dataclasses.field(default="blocks", metadata=dict(static=True))
 
     # ---- array-like facts, so code that asks a weight its shape or dtype keeps working ----
     @property
@@ -66,8 +69,36 @@ class QuantizedWeight:
         return jax.tree.map(lambda x: x[index], self)
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
-        """x @ W: the weight dequantized to x's dtype (a fused producer of the matmul under jit), then the dot."""
+        """x @ W: the weight dequantized to x's dtype (a fused producer of the matmul under jit), then the dot; with
+        matmul="ktile" (and scales that vary along the input, no g_idx) the K-tile form instead."""
+        if self.matmul == "ktile" and self.q.ndim == 2 and self.g_idx is None and self.scale.shape[0] > 1:
+            return self.ktile_matmul(x)
         return x @ self.dequantize(x.dtype)
+
+    def ktile_matmul(self, x: jax.Array) -> jax.Array:
+        """x @ W without the scaled weight: the values cast to x's dtype, one dot per input block of bi rows (its
+        partial product [..., Kt, O]), each times its blocks' scales in fp32, summed over the blocks.
+        A zero point subtracts sum(x over the block) x zero. Equal to the dequantized matmul up to rounding (the
+        scale multiplies a sum instead of each element). The input is zero-padded to whole blocks."""
+        bi = self.block[0]
+        k, n = self.q.shape
+        kt = -(-k // bi)
+        pad = kt * bi - k
+        x_tiles = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], kt, bi)
+        q_tiles = jnp.pad(self.q.astype(x.dtype), ((0, pad), (0, 0))).reshape(kt, bi, n)
+        # each partial product in x's dtype, as the plain matmul gives it (XLA's CPU has no batched bf16 x bf16 -> f32
+        # dot), then scaled and summed in fp32
+        partial = jnp.einsum("...tb,tbn->...tn", x_tiles, q_tiles).astype(jnp.float32)
+        if self.zero is not None:
+            zero_TN = self.expand_columns(self.zero, n, jnp).astype(jnp.float32)
+            partial = partial - x_tiles.astype(jnp.float32).sum(-1)[..., None] * zero_TN
+        scale_TN = self.expand_columns(self.scale, n, jnp).astype(jnp.float32)
+        return (partial * scale_TN).sum(-2).astype(x.dtype)
+
+    def expand_columns(self, per_block, o: int, xp):
+        """A per-block array [Gi, Go] repeated along the output to [Gi, O] (last block ragged)."""
+        bo = self.block[1]
+        return per_block if bo == 1 or per_block.shape[-1] == o else xp.repeat(per_block, bo, axis=-1)[..., :o]
 
     def dequantize(self, dtype=None) -> jax.Array:
         """The weight [..., I, O] as the format defines it: (q - zero) * scale of its block, in fp32, then cast."""
@@ -89,9 +120,10 @@ class QuantizedWeight:
             rows = per_block
         else:
             rows = xp.repeat(per_block, bi, axis=-2)[..., :i, :]
-        if bo != 1 and rows.shape[-1] != o:
-            rows = xp.repeat(rows, bo, axis=-1)[..., :o]
-        return rows
+        return self.expand_columns(rows, o, xp)
+
+
+MATMULS = ("blocks", "ktile")
 
 
 def leaf_bytes(x) -> int:
@@ -116,3 +148,20 @@ def quantized_formats(tree) -> list[str]:
         if is_quantized(x) and x.fmt not in seen:
             seen.append(x.fmt)
     return seen
+
+
+def take_columns(w: QuantizedWeight, cols: np.ndarray) -> QuantizedWeight | None:
+    """The output columns `cols` of `w` (a load-time split or reorder: Qwen3.5's per-head [q | gate]), values and
+    scales taken together; None where a new scale block would mix columns of different source blocks (the split
+    cuts a block: the caller dequantizes). The output's ragged last block is allowed."""
+    bo = w.block[1]
+    cols = np.asarray(cols)
+    src_block = cols // bo
+    starts = src_block[::bo]
+    if not np.array_equal(src_block, np.repeat(starts, bo)[: len(cols)]):
+        return None
+
+    def per_block(x):
+        return None if x is None else x[..., starts]
+
+    return dataclasses.replace(w, q=w.q[..., cols], scale=per_block(w.scale), zero=per_block(w.zero))
