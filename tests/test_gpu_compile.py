@@ -47,10 +47,14 @@ def test_scan_hlo_counts_kernels_fusions_and_collectives():
             'backend_config={grid_x = 8 : i32, name = "tree_attention", num_warps = 4}\n'
             '  %f = bf16[8] fusion(%a), kind=kCustom, backend_config={"fusion_backend_config":{"kind":"__triton_nested'
             '_gemm_fusion"}}\n  %all-reduce.1 = bf16[8]{0} all-reduce(%f), replica_groups={{0,1}}\n'
-            '  %ag = (bf16[8], bf16[16]) all-gather-start(%f)\n')
+            '  %ag = (bf16[8], bf16[16]) all-gather-start(%f)\n'
+            '\n%fused_convert.6 (param_0: f8e4m3fn[32,4096,14336], param_1: s32[]) -> bf16[4096,14336] {\n'
+            '  %c = bf16[4096,14336]{1,0} convert(%b)\n}\n'
+            '\n%gemm (param_0: f8e4m3fn[64,64], param_1: bf16[8,64]) -> bf16[8,64] {\n  %d = dot(%a, %b)\n}\n')
     assert scan_hlo(text) == {"pallas_kernels": {"tree_attention": 1},
                               "triton_fusions": {"__triton_nested_gemm_fusion": 1},
-                              "collectives": {"all-reduce": 1, "all-gather": 1}}
+                              "collectives": {"all-reduce": 1, "all-gather": 1},
+                              "dequantized_weights": 1}  # the convert written to memory; not the fused GEMM
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +120,16 @@ def test_the_command_prints_and_writes_the_records(monkeypatch, capsys, tmp_path
     assert record["compile_s"] > 0 and qkv < record["argument_bytes"] < qkv + 1024
     assert {"temp_bytes", "output_bytes", "alias_bytes"} <= set(record) and "H200" in record["device_kind"]
     assert json.loads((tmp_path / "records.json").read_text())["records"] == [record]
+
+
+@needs_plugin
+def test_a_block_fp8_8b_target_holds_its_quantized_size_on_h100(h100):
+    """The 8B plain loop with its linears as a block-FP8 checkpoint loads them: the compiled arguments are the FP8
+    size (~8.5 GiB: 1 byte a linear weight, f32 block scales, the bf16 embedding and lm_head), not bf16's 15 GiB.
+    Whether XLA fuses the dequantization into the GEMMs is counted (docs/quantization.md reports it)."""
+    graph = loop_graph("8b", "plain", 1, quantized="fp8")
+    record, _ = compile_graph(graph, h100)
+    assert "error" not in record, record.get("error")
+    assert 8.3 * GIB < record["argument_bytes"] < 8.6 * GIB
+    assert record["pallas_kernels"].get("tree_attention", 0) >= 1
+    assert record["dequantized_weights"] >= 0 and graph.name == "plain/8b/b1/fp8"

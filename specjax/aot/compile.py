@@ -38,6 +38,10 @@ KERNEL_NAME = re.compile(r', name = "([^"]+)"')
 DEVICELESS_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
+# a fused computation's header reading FP8 / int4 / int8 values and returning a float matrix (at least 2 dims)
+QUANT_CONVERT = re.compile(r"%[\w.\-]+ \([^)]*(?:f8e4m3fn|s4|u4|s8)\[[^)]*\) -> (?:bf16|f16|f32)\[\d+,\d+[\d,]*\]")
+
+
 def scan_hlo(text: str) -> dict[str, Any]:
     """What the optimized HLO holds: Pallas kernels by name, XLA's Triton fusions by kind, collectives by op (each
     counted once per instruction; one inside the decode while loop runs every round)."""
@@ -47,7 +51,19 @@ def scan_hlo(text: str) -> dict[str, Any]:
             name = KERNEL_NAME.search(line)
             kernels[name.group(1) if name else "pallas_call"] += 1
     return {"pallas_kernels": dict(kernels), "triton_fusions": dict(collections.Counter(TRITON_FUSION.findall(text))),
-            "collectives": dict(collections.Counter(COLLECTIVE.findall(text)))}
+            "collectives": dict(collections.Counter(COLLECTIVE.findall(text))),
+            "dequantized_weights": dequantized_weights(text)}
+
+
+def dequantized_weights(text: str) -> int:
+    """Fused computations that read FP8 / int values and write a whole weight matrix in a float type with no dot
+    inside: a dequantized weight written to memory before its GEMM reads it (the convert not fused into the GEMM)."""
+    count = 0
+    for block in text.split("\n\n"):
+        header = QUANT_CONVERT.match(block.lstrip())
+        if header and "dot(" not in block:
+            count += 1
+    return count
 
 
 @contextlib.contextmanager
@@ -158,7 +174,8 @@ def select_graphs(args: argparse.Namespace) -> list[Graph]:
         graphs += kernel_sweep() if args.kernels == "full" else ci_kernel_sweep()
     drafts = tuple(args.drafts.split(",")) if args.drafts else DRAFTS
     for preset in args.preset:
-        graphs += loop_graphs(preset, tuple(args.batch), drafts, tensor_parallel=hosts * per_host > 1)
+        graphs += loop_graphs(preset, tuple(args.batch), drafts, tensor_parallel=hosts * per_host > 1,
+                              quantized=getattr(args, "quantized", None))
     return graphs
 
 
@@ -179,6 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="targets whose loops compile (none: the kernel only)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--drafts", default=None, help=f"comma-separated subset of {','.join(DRAFTS)} (default: all)")
+    p.add_argument("--quantized", choices=["fp8"], default=None,
+                   help="the target's linears as a block-FP8 checkpoint loads them (values FP8, one scale per 128 x "
+                        "128 block); records count the dequantized weights written before their GEMM")
     p.add_argument("--kernels", choices=KERNEL_SETS, default="full",
                    help="the kernel's block-plan sweep: full (60 configurations), ci (a reduced 12), none")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of the table")

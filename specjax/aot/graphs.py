@@ -141,9 +141,11 @@ def block_config(target: ModelConfig, block_size: int = 16) -> dflash.BlockConfi
 
 
 def loop_graph(preset: str, draft: str, batch: int, *, cache_len: int = CACHE_LEN, out_len: int = OUT_LEN,
-               prompt_len: int = PROMPT_LEN, tensor_parallel: bool = False, cfg: ModelConfig | None = None) -> Graph:
+               prompt_len: int = PROMPT_LEN, tensor_parallel: bool = False, cfg: ModelConfig | None = None,
+               quantized: str | None = None) -> Graph:
     """One loop of `preset` (or of `cfg`, named `preset`) at `batch`: draft "plain" (ar_generate) or a speculative
-    loop (module docstring). The cache holds cache_len tokens a row (a multiple of 16, as the kernel needs)."""
+    loop (module docstring). The cache holds cache_len tokens a row (a multiple of 16, as the kernel needs).
+    quantized="fp8": the target's linears as a block-FP8 checkpoint loads them (`fp8_linears`)."""
     if draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
     if cache_len % 16 or prompt_len + out_len > cache_len:
@@ -151,12 +153,17 @@ def loop_graph(preset: str, draft: str, batch: int, *, cache_len: int = CACHE_LE
                          f"{out_len}), got {cache_len}")
     cfg = cfg or preset_config(preset)
     params = shapes(param_shapes(cfg), cfg.dtype)
+    if quantized not in (None, "fp8"):
+        raise ValueError(f"quantized must be None or 'fp8', got {quantized!r}")
+    if quantized:
+        params = fp8_linears(params, cfg.dtype)
     request = abstract_request(batch, prompt_len)
     sampled = draft == "sampled"
     lc = LoopConfig(cfg, sampled, out_len=out_len, cache_len=cache_len, attn_impl="auto", penalties=sampled,
                     logprobs=5 if sampled else -1)
-    info = dict(preset=preset, draft=draft, batch=batch, cache_len=cache_len, out_len=out_len, prompt_len=prompt_len)
-    tp = "/tp" if tensor_parallel else ""
+    info = dict(preset=preset, draft=draft, batch=batch, cache_len=cache_len, out_len=out_len, prompt_len=prompt_len,
+                quantized=quantized)
+    tp = ("/tp" if tensor_parallel else "") + (f"/{quantized}" if quantized else "")
 
     def shardings(args):
         if not tensor_parallel:
@@ -195,6 +202,31 @@ def loop_graph(preset: str, draft: str, batch: int, *, cache_len: int = CACHE_LE
     args = (params, draft_params, *request, *extra)
     return Graph(f"spec/{preset}/{info['tree']}/b{batch}{tp}", spec_generate, args,
                  dict(lc=lc, drafter=drafter, **static), shardings(args), info, cfg, dcfg)
+
+
+# the linears a block-FP8 checkpoint's loader keeps quantized (convert/hf.py `_KEPT_QUANTIZED`), by param key
+FP8_KEYS = frozenset({"wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "w_qkv", "w_z", "w_out",
+                      "shared_gate", "shared_up", "shared_down"})
+FP8_BLOCK = (128, 128)
+
+
+def fp8_linears(params: dict, dtype) -> dict:
+    """`params` (ShapeDtypeStructs) with every linear the loader keeps quantized as a block-FP8 QuantizedWeight:
+    float8_e4m3fn values [..., I, O] and float32 scales per 128 x 128 block (DeepSeek-V3's layout, ragged last blocks),
+    what `specjax.load` holds for a `quant_method: fp8` checkpoint; norms, routers, embedding and lm_head as they are."""
+    from specjax.quant.qarray import QuantizedWeight
+
+    bi, bo = FP8_BLOCK
+
+    def convert(path, x):
+        if path[-1].key not in FP8_KEYS or len(x.shape) < 2:
+            return x
+        *lead, i, o = x.shape
+        return QuantizedWeight(jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                               jax.ShapeDtypeStruct((*lead, -(-i // bi), -(-o // bo)), jnp.float32),
+                               block=FP8_BLOCK, fmt=f"fp8 block {list(FP8_BLOCK)}", compute_dtype=str(jnp.dtype(dtype)))
+
+    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 def loop_graphs(preset: str, batches=(1, 8, 64), drafts=DRAFTS, **kw) -> list[Graph]:
