@@ -41,7 +41,7 @@ from specjax.drafters.eagle3 import Eagle3Config, param_shapes
 from specjax.planning.profile import DEVICES, DTYPE_BYTES, DeviceSpec, check_tensor_parallel
 from specjax.planning.tensor_parallel import TensorParallel, replicated, split_model
 
-# The six cases of the README's table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
+# The six cases of docs/planning.md's memory table: (model, tensor parallelism), each on an H100 80GB and an H200 141GB.
 SERVED_CASES = (("Llama-3.3-70B", 8), ("Qwen3.5-27B", 2), ("Qwen3.5-122B-A10B", 8))
 EAGLE3_DRAFT_VOCAB = 32000  # SafeAILab's EAGLE-3 heads' draft vocabulary (REFERENCE.md: lm_head [32000, H])
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -50,11 +50,13 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """One device's share of the draft: its weights and its KV cache per cached token of one row (bytes)."""
+    """One device's share of the draft: its weights, its KV cache per cached token of one row, and a hybrid draft
+    model's recurrent state and conv windows per row (bytes)."""
 
     what: str
     weight_bytes: float
     kv_bytes_per_token: float
+    state_bytes_per_row: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,8 @@ class MemoryPlan:
 
     @property
     def draft_bytes(self) -> float:
-        return self.draft.weight_bytes + self.batch * self.context * self.draft.kv_bytes_per_token
+        return self.draft.weight_bytes + self.batch * (self.context * self.draft.kv_bytes_per_token +
+                                                       self.draft.state_bytes_per_row)
 
     @property
     def free_bytes(self) -> float:
@@ -90,7 +93,8 @@ class MemoryPlan:
     @property
     def max_batch(self) -> int:
         """Rows of `context` tokens that fit beside the weights (target's and draft's): 0 when none does."""
-        per_row = self.context * (self.kv_bytes_per_token + self.draft.kv_bytes_per_token) + self.state_bytes_per_row
+        per_row = self.context * (self.kv_bytes_per_token + self.draft.kv_bytes_per_token) + \
+            self.state_bytes_per_row + self.draft.state_bytes_per_row
         room = self.capacity - self.weight_bytes - self.draft.weight_bytes
         return max(0, math.floor(room / per_row)) if per_row else 0
 
@@ -151,7 +155,8 @@ def typical_draft(cfg: ModelConfig, mtp_layers: int, tp: TensorParallel) -> Draf
 def checkpoint_draft(path: str | Path) -> Draft:
     """A drafter directory's share, whole on every device: its safetensors tensors as stored (their headers'
     dtypes and shapes; nothing is read beyond them) and a KV cache of its config's layers x kv heads x head_dim
-    (in its dtype) per cached token."""
+    (in its dtype) per cached token; a hybrid draft model (Qwen3.5) caches K/V in its full-attention layers only
+    and keeps a recurrent state and conv window per DeltaNet layer and row."""
     path = Path(path)
     files = safetensors_files(path)
     total = 0
@@ -160,6 +165,11 @@ def checkpoint_draft(path: str | Path) -> Draft:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     hf = text_config(read_hf_config(path))
+    if "linear_attention" in (hf.get("layer_types") or ()):
+        cfg = ModelConfig.from_hf(hf)
+        whole = split_model(cfg, 1)
+        return Draft(f"drafter {path.name} (its checkpoint, replicated)", float(total),
+                     kv_bytes_per_token(cfg, whole), recurrent_bytes(cfg, whole))
     layers, heads = int(hf.get("num_hidden_layers", 1)), int(hf["num_attention_heads"])
     kv_heads, head_dim = int(hf.get("num_key_value_heads") or heads), hf.get("head_dim") or hf["hidden_size"] // heads
     width = DTYPE_BYTES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", ""), 2)
