@@ -4,7 +4,9 @@ The processes (tests/multihost_check.py) load a safetensors target and draft mod
 orbax target with its EAGLE-3 and DSpark heads on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one
 device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark with the confidence scheduler),
 sampled (per-prompt seeds), streamed decoding and inspect_draft, reading only its own devices' slices of the weights,
-and every host-made decision must be process 0's. The CLI's --coordinator form likewise.
+and every host-made decision must be process 0's. The CLI's --coordinator form likewise. specjax.Engine runs over
+the DP 2 x TP 4 mesh with requests arriving at random on process 0 and its shape switching at random: each request
+equals one device's decoding, both processes run the same chunks, and neither compiles after warmup.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from hf_tiny import build_hf_model, save_hf_model
-from multihost_check import LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ, decode, load_all, prompts
+from multihost_check import (ENGINE_ABORTED, ENGINE_REQUESTS, LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ,
+                             decode, load_all, prompts)
 
 import specjax
 
@@ -103,6 +106,24 @@ def test_each_process_reads_and_holds_only_its_devices_slices(reports):
             assert r["largest_read"] == {k: pytest.approx(1 / model) for k in READ}, (mesh, r["largest_read"])
             # wq [64, 8 heads x 8]: split over the model axis, this process's 4 devices hold 64 / model columns each
             assert r["q_proj_local_shards"] == [[64, 64 // model]] * LOCAL_DEVICES, (mesh, r["q_proj_local_shards"])
+
+
+def test_the_engine_across_processes_decodes_one_devices_tokens_from_process_0s_decisions(work, reports):
+    dense = specjax.load(work / "dense")
+    want = [specjax.generate(dense, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in ENGINE_REQUESTS]
+    leader, follower = (r["engine"] for r in reports)
+    for i, (tokens, reason) in enumerate(zip(leader["tokens"], leader["finish_reasons"])):
+        if i == ENGINE_ABORTED and reason == "abort":
+            assert tokens == want[i][:len(tokens)]
+            continue
+        assert (tokens, reason) == (want[i], "length"), f"request {i}"
+    assert "requests enter a multi-process engine on process 0" in follower["submit_elsewhere"]
+    # the same chunks on both processes: every shape change at the same live count, the same counts of everything
+    assert {label for _, label in leader["shapes"]} == {"off", "chain:2"}
+    assert leader["shapes"] == follower["shapes"]
+    assert leader["counters"] == follower["counters"] and leader["counters"]["catch_up_rows"] > 0
+    for r in (leader, follower):
+        assert (r["compiled_after_warmup"], r["jax_compiles_after_warmup"]) == ([], 0), r
 
 
 def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
