@@ -133,3 +133,35 @@ def _plain(x):
     if isinstance(x, (np.ndarray, np.generic)):
         return x.tolist()
     raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
+def add_job_arguments(p) -> None:
+    """The command-line flags that join a multi-process job (`specjax generate`, `specjax serve`)."""
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="join a multi-process job (jax.distributed): process 0's address; with --num-processes, "
+                        "--process-id; every process runs the same command and process 0 prints (and serves)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--distributed", action="store_true",
+                   help="join a multi-process job by JAX's cluster detection (SLURM, Open MPI, ...) instead")
+
+
+def join_job(args) -> None:
+    """Join a multi-process job (jax.distributed) before anything touches the devices: --coordinator HOST:PORT with
+    --num-processes and --process-id, or --distributed for JAX's own cluster detection (SLURM, Open MPI, ...);
+    nothing without them. A ValueError names what is missing."""
+    given = [f for f, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id)) if v is not None]
+    if args.coordinator is None and not args.distributed:
+        if given:
+            raise ValueError(f"{' and '.join(given)} join a multi-process job: add --coordinator HOST:PORT (process 0's "
+                             "address), or use --distributed for JAX's cluster detection")
+        return
+    if args.coordinator is not None and len(given) < 2:
+        raise ValueError("--coordinator needs --num-processes N and --process-id I (0 on the coordinator's host)")
+    if args.coordinator is not None and args.distributed:
+        raise ValueError("pass --coordinator (with --num-processes, --process-id) or --distributed, not both")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes talk by gloo
+    if args.distributed:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)

@@ -140,9 +140,9 @@ def run_engine(target, draft) -> dict:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
     report = {}
-    with specjax.Engine(target, draft, max_slots=4, max_len=32, auto_chains=(2,), sampling=False,
+    with specjax.Engine(target, draft, max_slots=2, max_len=32, auto_chains=(2,), sampling=False,
                         max_prefill_batch=2) as engine:
-        engine.warmup()
+        report["warmup_s"] = engine.warmup()
         before, events = engine.stats()["compiles"], len(compiles)
         rng = random.Random(7)
         if jax.process_index() == 0:

@@ -6,16 +6,19 @@ device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark wi
 sampled (per-prompt seeds), streamed decoding and inspect_draft, reading only its own devices' slices of the weights,
 and every host-made decision must be process 0's. The CLI's --coordinator form likewise. specjax.Engine runs over
 the DP 2 x TP 4 mesh with requests arriving at random on process 0 and its shape switching at random: each request
-equals one device's decoding, both processes run the same chunks, and neither compiles after warmup.
+equals one device's decoding, both processes run the same chunks, and neither compiles after warmup; and
+`specjax serve` across both processes answers from process 0 what one device decodes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +147,48 @@ def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
     assert len(lines(one.stdout)) == 2
     assert lines(job[0].stdout) == lines(one.stdout)
     assert lines(job[1].stdout) == []  # every process decodes, process 0 prints
+
+
+def test_serve_across_processes_answers_from_process_0_and_stops_with_it():
+    httpx = pytest.importorskip("httpx")
+    tiny = ROOT / "checkpoints/tiny/target"
+    port, http_port = free_port(), free_port()
+    cmds = [[sys.executable, "-m", "specjax.cli", "serve", str(tiny), "--mesh", "2,4", "--max-slots", "2",
+             "--max-len", "32", "--greedy-only", "--no-penalties", "--max-logprobs", "-1", "--port", str(http_port),
+             "--log-level", "warning", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i)] for i in range(2)]
+    procs = [subprocess.Popen(c, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    try:
+        printed = []
+        for line in procs[0].stdout:
+            printed.append(line)
+            if line.startswith("serving"):
+                break
+        assert any(line.startswith("warm-up:") for line in printed), "".join(printed)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        answers = [httpx.post(f"{url}/v1/completions", json={"model": "target", "prompt": p, "max_tokens": 8,
+                                                              "temperature": 0, "ignore_eos": True}, timeout=300).json()
+                   for p in ("def f(x):", "import os")]
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in procs]
+        rest = [p.stdout.read() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], rest
+    printed_by_1 = [line for line in rest[1].splitlines() if line.startswith(("memory plan", "warm", "serving"))]
+    assert printed_by_1 == []  # process 1 runs the engine, process 0 serves and prints
+    one = specjax.load(tiny)
+    want = specjax.generate(one, ["def f(x):", "import os"], max_new_tokens=8, eos_token_id=[]).texts
+    assert [a["choices"][0]["text"] for a in answers] == want
 
 
 def test_the_clis_job_and_mesh_flags_refuse_what_is_incomplete(capsys):
