@@ -127,7 +127,6 @@ class Broadcast:
         return json.loads(data)
 
 
-
 def _plain(x):
     """numpy values as JSON has them (ints stay ints)."""
     if isinstance(x, (np.ndarray, np.generic)):
@@ -150,11 +149,12 @@ def join_job(args) -> None:
     """Join a multi-process job (jax.distributed) before anything touches the devices: --coordinator HOST:PORT with
     --num-processes and --process-id, or --distributed for JAX's own cluster detection (SLURM, Open MPI, ...);
     nothing without them. A ValueError names what is missing."""
-    given = [f for f, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id)) if v is not None]
+    given = [flag for flag, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id))
+             if v is not None]
     if args.coordinator is None and not args.distributed:
         if given:
-            raise ValueError(f"{' and '.join(given)} join a multi-process job: add --coordinator HOST:PORT (process 0's "
-                             "address), or use --distributed for JAX's cluster detection")
+            raise ValueError(f"{' and '.join(given)} join a multi-process job: add --coordinator HOST:PORT "
+                             "(process 0's address), or use --distributed for JAX's cluster detection")
         return
     if args.coordinator is not None and len(given) < 2:
         raise ValueError("--coordinator needs --num-processes N and --process-id I (0 on the coordinator's host)")

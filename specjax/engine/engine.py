@@ -61,7 +61,7 @@ MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
 SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's settings: SamplingParams' fields
 LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
-FOLLOW_WAIT_S = 1.0  # a process other than 0 asks for process 0's next message this often while the engine idles
+FOLLOW_WAIT_S = 1.0  # a process other than 0 waits for process 0's next message in turns of (at least) this long
 _ENGINES = itertools.count()  # engines built in this process: the same order on every process names their messages
 
 
@@ -104,6 +104,10 @@ class Engine:
     this device's roofline). prefill_chunk: a prompt longer than this enters its slot in pieces of this many tokens,
     between chunks (`prefill_tokens_per_gap` prompt tokens a gap, at least one piece), so the requests decoding
     meanwhile wait at most about one piece's prefill per gap.
+
+    In a multi-process job (jax.distributed) build it on every process over a target on the job's global mesh:
+    requests enter on process 0 (submit / abort / generate elsewhere raise), whose host decisions every process's
+    loop follows; warmup() on process 0 warms all, and process 0's close() ends all (elsewhere close() waits).
     """
 
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
