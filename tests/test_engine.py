@@ -234,7 +234,7 @@ def test_engine_on_a_mesh_equals_one_device(tmp_path):
 
     checks, _ = run_part("engine", tmp_path)
     count, bad = failed(checks, "engine/")
-    assert count == 2 and bad == {}
+    assert (count, bad) == (4, {})  # equal and no compile after warmup, at TP 2 and DP 2 x TP 4
 
 
 def test_dspark_budgets_across_live_slots_stay_lossless(target, plain):
