@@ -4,7 +4,8 @@ tests/test_multihost.py starts two of these with the same arguments but the proc
 each joins the job, builds the global meshes over all 8 devices (TP 8, and DP 2 x TP 4: one data replica per
 process), decodes and writes what it got to WORKDIR/process-I.json: every loop's tokens, and the largest part
 of each safetensors tensor this process read. The test compares both files with one device's tokens. Then
-specjax.Engine runs over the DP 2 x TP 4 mesh: process 0 submits requests at seeded random times and aborts one,
+specjax.Engine runs over the DP 2 x TP 4 mesh: process 0 submits requests at seeded random times and aborts one
+mid-decoding,
 its policy switching at random between off and a chain; each process reports the shapes it ran and what it
 compiled after warmup, process 0 its requests' tokens.
 
@@ -34,7 +35,7 @@ READ = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "
 # the engine's requests: prompt, max_new_tokens (prompt + budget within its max_len of 32)
 ENGINE_REQUESTS = [([5, 17, 99, 3, 42, 8, 200, 61, 7], 12), ([11, 12, 13, 14], 9), ([250, 1, 2, 3, 4, 5, 6], 14),
                    ([7, 7, 9], 10), ([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], 8), ([42], 13)]
-ENGINE_ABORTED = 3
+ENGINE_ABORTED = 5  # aborted once its first tokens are out: mid-decoding, so every process must drop it
 
 
 def prompts() -> list[list[int]]:
@@ -152,7 +153,7 @@ def run_engine(target, draft) -> dict:
             for prompt, budget in ENGINE_REQUESTS:
                 handles.append(engine.submit(prompt, max_new_tokens=budget, eos_token_id=[], temperature=0.0))
                 time.sleep(rng.random() * 0.05)
-            time.sleep(rng.random() * 0.02)
+            next(iter(handles[ENGINE_ABORTED]))
             engine.abort(handles[ENGINE_ABORTED])
             outs = [h.result(timeout=600) for h in handles]
             report["tokens"] = [o.tokens for o in outs]
@@ -164,9 +165,8 @@ def run_engine(target, draft) -> dict:
                 report["submit_elsewhere"] = str(err)
     stats = engine.stats()
     report.update(shapes=[[live, label] for _, live, label in stats["shapes_over_time"]],
-                  # (requests_aborted: an abort of a request still queued is process 0's alone)
                   counters={k: stats[k] for k in ("chunks", "prefills", "prefill_rows", "catch_up_rows",
-                                                  "tokens_emitted", "requests_finished")},
+                                                  "tokens_emitted", "requests_finished", "requests_aborted")},
                   compiled_after_warmup=engine._compiled[before:], jax_compiles_after_warmup=len(compiles) - events)
     return report
 
