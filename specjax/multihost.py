@@ -114,7 +114,7 @@ class Broadcast:
 
     def receive(self, timeout_s: float):
         """On another process: process 0's next value, or `Broadcast.WAITING` if none came within timeout_s (then
-        the same message is asked for again next time)."""
+        the same message is asked for again next time; jaxlib's store may also just wait on, as it did here)."""
         key = f"{self.name}/{jax.process_index()}/{self.received}"
         try:
             data = self.client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))

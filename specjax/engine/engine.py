@@ -397,7 +397,7 @@ class Engine:
                     warm = self._warmup_requested
                 if warm is not None and not warm.is_set():
                     self._send({"kind": "warmup"})
-                    self._warmup_all()
+                    self._run_warmup()
                     warm.set()
                     self._warmup_requested = None
                     continue
@@ -415,7 +415,7 @@ class Engine:
             while True:
                 message = self._receive("gap", "warmup")
                 if message["kind"] == "warmup":
-                    self._warmup_all()
+                    self._run_warmup()
                 else:
                     self._step(message)
         except _Closed as closed:
@@ -430,6 +430,7 @@ class Engine:
             self._warmed.set()
 
     def _send(self, message: dict) -> None:
+        """Process 0's decisions to the other processes (nothing in one process)."""
         if self._broadcast is not None:
             self._broadcast.send(message)
 
@@ -444,7 +445,8 @@ class Engine:
                                f"{message['kind']!r}: the processes' engines went out of step")
         return message
 
-    def _warmup_all(self) -> None:
+    def _run_warmup(self) -> None:
+        """Warm up on the loop's thread (every process at once in a multi-process job), then count from zero."""
         self._warmup()
         # the dummies' drafts are no one's acceptance: counted from here on
         self._depth_base = to_host((self._slots.stats.offered_D, self._slots.stats.accepted_D))
