@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 
+from specjax.multihost import add_job_arguments, join_job
 from specjax.serve.args import draft_shape  # argparse only: no server package is imported
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", None: None}  # CLI spelling -> dtype name
@@ -36,7 +37,7 @@ def _generate(args) -> int:
 
     _check_chat_options(args)
     _check_draft_options(args)
-    _join_job(args)
+    join_job(args)
     target = load(args.model, dtype=DTYPES[args.dtype], attn_impl=args.attn_impl, mesh=_mesh(args))
     drafter = None
     if args.drafter == "ngram":
@@ -94,28 +95,6 @@ def _check_draft_options(args) -> None:
         raise ValueError(f"{' and '.join(given)} shape(s) a speculative draft, but no drafter was given: add "
                          "--drafter DIR (any drafter family's directory, or 'ngram'), or drop "
                          f"{' and '.join(given)}")
-
-
-def _join_job(args) -> None:
-    """Join a multi-process job (jax.distributed) before anything touches the devices: --coordinator HOST:PORT with
-    --num-processes and --process-id, or --distributed for JAX's own cluster detection (SLURM, Open MPI, ...)."""
-    given = [f for f, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id)) if v is not None]
-    if args.coordinator is None and not args.distributed:
-        if given:
-            raise ValueError(f"{' and '.join(given)} join a multi-process job: add --coordinator HOST:PORT (process 0's "
-                             "address), or use --distributed for JAX's cluster detection")
-        return
-    if args.coordinator is not None and len(given) < 2:
-        raise ValueError("--coordinator needs --num-processes N and --process-id I (0 on the coordinator's host)")
-    if args.coordinator is not None and args.distributed:
-        raise ValueError("pass --coordinator (with --num-processes, --process-id) or --distributed, not both")
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes talk by gloo
-    if args.distributed:
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
 
 def _mesh(args):
@@ -292,13 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the target (and drafter) over the job's first N devices")
     p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D,M",
                    help="a (data, model) mesh: D data-parallel replicas of an M-device tensor-parallel model")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="join a multi-process job (jax.distributed): process 0's address; with --num-processes, "
-                        "--process-id; every process runs the same command and process 0 prints")
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
-    p.add_argument("--distributed", action="store_true",
-                   help="join a multi-process job by JAX's cluster detection (SLURM, Open MPI, ...) instead")
+    add_job_arguments(p)
     p.set_defaults(fn=_generate)
 
     p = sub.add_parser("demo", help="the embedded tiny target and draft model, plain vs speculative")

@@ -3,7 +3,11 @@
 tests/test_multihost.py starts two of these with the same arguments but the process id, on checkpoints it built;
 each joins the job, builds the global meshes over all 8 devices (TP 8, and DP 2 x TP 4: one data replica per
 process), decodes and writes what it got to WORKDIR/process-I.json: every loop's tokens, and the largest part
-of each safetensors tensor this process read. The test compares both files with one device's tokens.
+of each safetensors tensor this process read. The test compares both files with one device's tokens. Then
+specjax.Engine runs over the DP 2 x TP 4 mesh: process 0 submits requests at seeded random times and aborts one
+mid-decoding,
+its policy switching at random between off and a chain; each process reports the shapes it ran and what it
+compiled after warmup, process 0 its requests' tokens.
 
     python tests/multihost_check.py PROCESS_ID PORT WORKDIR      # twice, PROCESS_ID 0 and 1
 """
@@ -26,6 +30,12 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, seed=[3, 4, 5])
 # (a data replica per process) everything.
 LOOPS = {"tp8": ("dense/plain", "dense/draft_chain", "tiny/eagle3_chain"), "dp2_tp4": None}
 READ = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
+
+
+# the engine's requests: prompt, max_new_tokens (prompt + budget within its max_len of 32)
+ENGINE_REQUESTS = [([5, 17, 99, 3, 42, 8, 200, 61, 7], 12), ([11, 12, 13, 14], 9), ([250, 1, 2, 3, 4, 5, 6], 14),
+                   ([7, 7, 9], 10), ([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], 8), ([42], 13)]
+ENGINE_ABORTED = 5  # aborted once its first tokens are out: mid-decoding, so every process must drop it
 
 
 def prompts() -> list[list[int]]:
@@ -101,6 +111,7 @@ def main(process_id: int, port: int, work: Path) -> None:
                                   "q_proj_local_shards": [list(s.data.shape) for s in
                                                           dense.params["layers"][0]["wq"].addressable_shards],
                                   "seconds": time.perf_counter() - began}
+    report["engine"] = run_engine(*models[:2])
     # prompts that differ between the processes are refused on every process; unseeded sampling is process 0's draw
     try:
         specjax.generate(models[2], [prompts()[process_id]], max_new_tokens=2)
@@ -112,6 +123,52 @@ def main(process_id: int, port: int, work: Path) -> None:
     report["agreed"] = [int(agreed(np.asarray(jax.process_index()))), agreed_json({"from": jax.process_index()})]
     report["seconds"] = time.perf_counter() - start
     (work / f"process-{process_id}.json").write_text(json.dumps(report))
+
+
+def run_engine(target, draft) -> dict:
+    """specjax.Engine over the target's mesh: process 0 submits ENGINE_REQUESTS at seeded random times (aborting
+    one), choosing "off" or "chain:2" at random each chunk; every process reports the shapes its chunks ran, its
+    counters and its compiles after warmup."""
+    import random
+
+    import jax
+
+    import specjax
+    from specjax.engine import engine as engine_module
+
+    engine_module.MAX_ROUNDS = 2  # short chunks: rows outlive an "off" chunk, so speculation resumes by catch-up
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    report = {}
+    with specjax.Engine(target, draft, max_slots=2, max_len=32, auto_chains=(2,), sampling=False,
+                        max_prefill_batch=2) as engine:
+        report["warmup_s"] = engine.warmup()
+        before, events = engine.stats()["compiles"], len(compiles)
+        rng = random.Random(7)
+        if jax.process_index() == 0:
+            turn = iter(range(10 ** 9))
+            engine.policy.choose = lambda nb, live, current: engine.labels[(next(turn) + (rng.random() < 0.2)) % 2]
+            handles = []
+            for prompt, budget in ENGINE_REQUESTS:
+                handles.append(engine.submit(prompt, max_new_tokens=budget, eos_token_id=[], temperature=0.0))
+                time.sleep(rng.random() * 0.05)
+            next(iter(handles[ENGINE_ABORTED]))
+            engine.abort(handles[ENGINE_ABORTED])
+            outs = [h.result(timeout=600) for h in handles]
+            report["tokens"] = [o.tokens for o in outs]
+            report["finish_reasons"] = [o.finish_reason for o in outs]
+        else:
+            try:
+                engine.submit(ENGINE_REQUESTS[0][0])
+            except RuntimeError as err:
+                report["submit_elsewhere"] = str(err)
+    stats = engine.stats()
+    report.update(shapes=[[live, label] for _, live, label in stats["shapes_over_time"]],
+                  counters={k: stats[k] for k in ("chunks", "prefills", "prefill_rows", "catch_up_rows",
+                                                  "tokens_emitted", "requests_finished", "requests_aborted")},
+                  compiled_after_warmup=engine._compiled[before:], jax_compiles_after_warmup=len(compiles) - events)
+    return report
 
 
 if __name__ == "__main__":

@@ -4,21 +4,27 @@ The processes (tests/multihost_check.py) load a safetensors target and draft mod
 orbax target with its EAGLE-3 and DSpark heads on a TP-8 and a DP-2 x TP-4 mesh spanning both; each must get one
 device's tokens for plain, speculative (draft chain and tree, EAGLE-3, DSpark with the confidence scheduler),
 sampled (per-prompt seeds), streamed decoding and inspect_draft, reading only its own devices' slices of the weights,
-and every host-made decision must be process 0's. The CLI's --coordinator form likewise.
+and every host-made decision must be process 0's. The CLI's --coordinator form likewise. specjax.Engine runs over
+the DP 2 x TP 4 mesh with requests arriving at random on process 0 and its shape switching at random: each request
+equals one device's decoding, both processes run the same chunks, and neither compiles after warmup; and
+`specjax serve` across both processes answers from process 0 what one device decodes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hf_tiny import build_hf_model, save_hf_model
-from multihost_check import LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ, decode, load_all, prompts
+from multihost_check import (ENGINE_ABORTED, ENGINE_REQUESTS, LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ,
+                             decode, load_all, prompts)
 
 import specjax
 
@@ -105,6 +111,25 @@ def test_each_process_reads_and_holds_only_its_devices_slices(reports):
             assert r["q_proj_local_shards"] == [[64, 64 // model]] * LOCAL_DEVICES, (mesh, r["q_proj_local_shards"])
 
 
+def test_the_engine_across_processes_decodes_one_devices_tokens_from_process_0s_decisions(work, reports):
+    dense = specjax.load(work / "dense")
+    want = [specjax.generate(dense, [p], max_new_tokens=n, eos_token_id=[]).tokens[0] for p, n in ENGINE_REQUESTS]
+    leader, follower = (r["engine"] for r in reports)
+    for i, (tokens, reason) in enumerate(zip(leader["tokens"], leader["finish_reasons"])):
+        if i == ENGINE_ABORTED:  # stopped mid-decoding: what it emitted is plain decoding's start
+            assert reason == "abort" and 0 < len(tokens) < len(want[i]) and tokens == want[i][:len(tokens)]
+            continue
+        assert (tokens, reason) == (want[i], "length"), f"request {i}"
+    assert "requests enter a multi-process engine on process 0" in follower["submit_elsewhere"]
+    # the same chunks on both processes: every shape change at the same live count, the same counts of everything
+    assert {label for _, label in leader["shapes"]} == {"off", "chain:2"}
+    assert leader["shapes"] == follower["shapes"]
+    assert leader["counters"] == follower["counters"]
+    assert leader["counters"]["catch_up_rows"] > 0 and leader["counters"]["requests_aborted"] == 1
+    for r in (leader, follower):
+        assert (r["compiled_after_warmup"], r["jax_compiles_after_warmup"]) == ([], 0), r
+
+
 def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
     model, draft = work / "dense", work / "draft"
     ids = [" ".join(map(str, p)) for p in prompts()[:2]]
@@ -123,6 +148,48 @@ def test_the_cli_joins_a_job_and_process_0_prints_one_devices_output(work):
     assert len(lines(one.stdout)) == 2
     assert lines(job[0].stdout) == lines(one.stdout)
     assert lines(job[1].stdout) == []  # every process decodes, process 0 prints
+
+
+def test_serve_across_processes_answers_from_process_0_and_stops_with_it():
+    httpx = pytest.importorskip("httpx")
+    tiny = ROOT / "checkpoints/tiny/target"
+    port, http_port = free_port(), free_port()
+    cmds = [[sys.executable, "-m", "specjax.cli", "serve", str(tiny), "--mesh", "2,4", "--max-slots", "2",
+             "--max-len", "32", "--greedy-only", "--no-penalties", "--max-logprobs", "-1", "--port", str(http_port),
+             "--log-level", "warning", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i)] for i in range(2)]
+    procs = [subprocess.Popen(c, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    try:
+        printed = []
+        for line in procs[0].stdout:
+            printed.append(line)
+            if line.startswith("serving"):
+                break
+        assert any(line.startswith("warm-up:") for line in printed), "".join(printed)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        answers = [httpx.post(f"{url}/v1/completions", json={"model": "target", "prompt": p, "max_tokens": 8,
+                                                              "temperature": 0, "ignore_eos": True}, timeout=300).json()
+                   for p in ("def f(x):", "import os")]
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in procs]
+        rest = [p.stdout.read() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], rest
+    printed_by_1 = [line for line in rest[1].splitlines() if line.startswith(("memory plan", "warm", "serving"))]
+    assert printed_by_1 == []  # process 1 runs the engine, process 0 serves and prints
+    one = specjax.load(tiny)
+    want = specjax.generate(one, ["def f(x):", "import os"], max_new_tokens=8, eos_token_id=[]).texts
+    assert [a["choices"][0]["text"] for a in answers] == want
 
 
 def test_the_clis_job_and_mesh_flags_refuse_what_is_incomplete(capsys):

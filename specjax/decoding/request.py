@@ -214,13 +214,15 @@ def pad_batch(ids: list[list[int]], max_new_tokens: int,
     return prompt_BT, prompt_len_B, max_new_B
 
 
-def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int) -> tuple[np.ndarray, np.ndarray, list]:
+def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int,
+              agree: bool = True) -> tuple[np.ndarray, np.ndarray, list]:
     """Per-row (seed, fold) pairs: row b's key is fold_in(key(seed_b), fold_b).
 
     seed=int: every row uses that seed, folded with its row index (rows differ; row 0
     alone equals row 0 in a batch). seed=[s0, s1, ...]: one seed per prompt, fold 0, so a
     prompt draws the same tokens at any row of any batch. seed=None: fresh seeds per
-    prompt, returned so the run can be repeated with seed=<them>.
+    prompt, returned so the run can be repeated with seed=<them>. agree=False: this process's draw alone (the
+    engine, which sends process 0's requests to the others itself).
     """
     def check(s) -> int:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) <= MAX_SEED:
@@ -230,7 +232,8 @@ def row_seeds(seed: int | Sequence[int] | None, n_rows: int, batch: int) -> tupl
     seeds_B, fold_B = np.zeros((batch,), np.uint32), np.zeros((batch,), np.uint32)
     if seed is None:
         # drawn on each process; a multi-host job takes process 0's
-        used = agreed(np.asarray([secrets.randbelow(MAX_SEED + 1) for _ in range(n_rows)], np.int64)).tolist()
+        used = np.asarray([secrets.randbelow(MAX_SEED + 1) for _ in range(n_rows)], np.int64)
+        used = (agreed(used) if agree else used).tolist()
         seeds_B[:n_rows] = used
     elif isinstance(seed, (int, np.integer)):
         seeds_B[:] = check(seed)
@@ -329,11 +332,13 @@ class Request:
 
 def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: SamplingConfig, eos_token_id,
             max_len: int | None, seed, draft_nodes: int = 0, token_bucket: int = 0,
-            options: Options | None = None) -> Request:
+            options: Options | None = None, agree: bool = True) -> Request:
     """Validate prompts, lengths, seeds and settings (`draft_nodes` cache slots for one draft) and bucket shapes.
 
     token_bucket: shape the loop for this many new tokens when it is more than max_new_tokens (rows still stop at
-    max_new_tokens): a short run then shares a longer one's executable (calibration.run_times times both)."""
+    max_new_tokens): a short run then shares a longer one's executable (calibration.run_times times both).
+    agree=False: no check that every process of a multi-host job passed the same, and fresh seeds are this
+    process's (the engine validates requests on process 0 alone and sends them to the others itself)."""
     ids = prompt_ids(target, prompts)
     options = (options or Options()).validate(target.cfg.vocab_size, target.tokenizer is not None)
     options.row_stops(len(ids))  # one stop list per prompt, when per prompt
@@ -343,10 +348,11 @@ def prepare(target: Target, prompts: Sequence, max_new_tokens: int, sampling: Sa
     mesh = getattr(target, "mesh", None)
     prompt_BT, prompt_len_B, max_new_B = pad_batch(ids, max_new_tokens, axis_size(mesh, "data"))
     batch = prompt_BT.shape[0]
-    seeds_B, fold_B, used = row_seeds(seed, len(ids), batch)
+    seeds_B, fold_B, used = row_seeds(seed, len(ids), batch, agree)
     stop_ids = tuple(dict.fromkeys(eos_ids(target, eos_token_id) + options.stop_token_ids))
-    check_same_everywhere("prompts and settings", (ids, max_new_tokens, max_len, sampling, seeds_B.tolist(), stop_ids,
-                                                   options))
+    if agree:
+        check_same_everywhere("prompts and settings", (ids, max_new_tokens, max_len, sampling, seeds_B.tolist(),
+                                                       stop_ids, options))
     stop_ids_BS = np.full((batch, bucket(len(stop_ids), minimum=1)), -1, np.int32)
     stop_ids_BS[:, :len(stop_ids)] = stop_ids
     rows = RowSettings(RowSampling.of(sampling, len(ids), batch), RowPenalties.of(options.penalties, len(ids), batch),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
-from specjax.multihost import on_like, to_host
+from specjax.multihost import agreed, on_like, to_host
 
 # A chunk grows (4x its steps, from 1) until it takes this long: the first tokens come at once, and the per-chunk
 # cost (one dispatch, one small read, the host's detokenising) stays a few percent of the decode
@@ -138,7 +138,8 @@ class ChunkedRun:
             if not more:
                 break
             snap = next_snap
-            if time.perf_counter() - begin < CHUNK_TARGET_S:
+            # timed on each process: process 0's verdict everywhere, or the processes would run different chunks
+            if agreed(np.asarray(time.perf_counter() - begin < CHUNK_TARGET_S)):
                 steps = min(CHUNK_GROWTH * steps, MAX_CHUNK_STEPS)
         self.run_s = time.perf_counter() - clock
 

@@ -10,6 +10,13 @@ the last one's tokens (as `specjax.stream` does).
 
 Every executable is keyed by (occupancy bucket, shape, greedy or sampled) for chunks and (prompt bucket, prefill
 batch) for prefills; `warmup()` compiles them all, and a run after it compiles nothing.
+
+In a multi-process job (jax.distributed, the target on a mesh spanning every process) every process runs this loop
+over the one global mesh. What the host decides and could decide differently on another process is process 0's,
+sent to the others once or twice a gap (multihost.Broadcast): the aborts and the requests admitted (their prompt
+ids and settings, fresh seeds drawn), then the chunk's shape, rounds and early exit (chosen from process 0's
+timings). Everything else follows from those and from the tokens read, the same on every process. Requests
+enter on process 0; the others replay its decisions (`_follow`).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from specjax.engine.policy import OFF, LoadPolicy, shape_size
 from specjax.generate import _options, _sampling
 from specjax.models.sharding import axis_size, use_mesh
 from specjax.models.target import Target
-from specjax.multihost import agreed
+from specjax.multihost import Broadcast, agreed, to_host
 from specjax.planning.scheduler_cost import scheduler_cost
 
 AUTO_CHAINS = (1, 2, 4)  # the chains "auto" chooses among, besides off
@@ -55,6 +62,8 @@ WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
 WARMUP_TIMINGS = 3  # timed warmup chunks per (occupancy bucket, shape), each on fresh dummy rows
 SETTINGS = {f.name for f in dataclasses.fields(SamplingParams)}  # a request's settings: SamplingParams' fields
 LIST_SETTINGS = ("stop", "stop_token_ids", "eos_token_id")
+FOLLOW_WAIT_S = 1.0  # a process other than 0 waits for process 0's next message in turns of (at least) this long
+_ENGINES = itertools.count()  # engines built in this process: the same order on every process names their messages
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity (a request is itself, whatever its fields)
@@ -79,6 +88,7 @@ class _Active:
     features: Any = ()  # while prefilling: the drafter's features over the prompt so far, on the device
     aborted: bool = False
     finished: bool = False
+    wire: Any = None  # in a multi-process job: the request as process 0 sends it to the others (prompt ids, settings)
 
 
 class Engine:
@@ -137,6 +147,10 @@ class Engine:
             handle = engine.submit("def quicksort(xs):", max_new_tokens=32)
             print(handle.result().text)
         ```
+
+    In a multi-process job (jax.distributed) build it on every process over a target on the job's global mesh:
+    requests enter on process 0 (submit / abort / generate elsewhere raise), whose host decisions every process's
+    loop follows; warmup() on process 0 warms all, and process 0's close() ends all (elsewhere close() waits).
     """
 
     def __init__(self, target: Target, drafter=None, *, max_slots: int = 8, max_len: int = 1024,
@@ -157,12 +171,16 @@ class Engine:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or the most top logprobs a request may ask (an int >= 0), "
                              f"got {logprobs!r}")
-        if jax.process_count() > 1:  # each process would time its own chunks and pick its own shapes
-            raise NotImplementedError("the engine runs in one process (one host, any mesh of its devices); a "
-                                      "multi-process jax.distributed job would need every process to agree each "
-                                      "gap's admissions and shape, which it does not do yet: use specjax.generate")
         self.target, self.max_slots, self.max_len = target, max_slots, max_len
         self.mesh = getattr(target, "mesh", None)
+        # a multi-process job: process 0 decides, the others replay (None in one process: nothing is sent)
+        self._broadcast = None
+        if jax.process_count() > 1:
+            if self.mesh is None:
+                raise ValueError("in a multi-process job the engine runs over one mesh of every process's devices: "
+                                 "load the target with specjax.load(path, mesh=...)")
+            self._broadcast = Broadcast(f"specjax/engine/{next(_ENGINES)}")
+        self.leader = jax.process_index() == 0
         self.data = axis_size(self.mesh, "data")  # data-parallel replicas: every row batch is a multiple of it
         if max_slots % self.data:
             raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's data-parallel size {self.data} "
@@ -217,6 +235,8 @@ class Engine:
         self._max_new = np.zeros((max_slots,), np.int32)
         self._live: list[_Active | None] = [None] * max_slots
         self._waiting: collections.deque[_Active] = collections.deque()
+        self._abort_asked: list[_Active] = []  # aborts of admitted requests, applied at the next gap
+        self._warmed = threading.Event()
         self._requests: dict[int, _Active] = {}  # every request not yet finished, by id
         self._inflight: collections.deque[tuple] = collections.deque()
         self._lock = threading.Condition()
@@ -263,6 +283,7 @@ class Engine:
                 more than 8 stop token ids, EOS included.
             RuntimeError: the engine is closed, or stopped after an error.
         """
+        self._check_leader("submit")
         active = self._validate(prompt, settings)
         with self._lock:
             self._check_open()
@@ -285,14 +306,17 @@ class Engine:
         """
         if not isinstance(handle, RequestHandle):
             raise TypeError(f"abort() takes the RequestHandle submit() returned, got {type(handle).__name__}")
+        self._check_leader("abort")
         with self._lock:
             a = self._requests.get(handle.request_id)
             if a is None or a.handle is not handle or a.finished:
                 return
-            a.aborted = True
             if a in self._waiting:
+                a.aborted = True
                 self._waiting.remove(a)
                 self._finish(a, "abort")
+            else:  # admitted: every process drops it at the same gap (_admit)
+                self._abort_asked.append(a)
             self._lock.notify_all()
 
     def generate(self, prompts: Sequence, **settings) -> GenerateOutput:
@@ -315,6 +339,7 @@ class Engine:
             TypeError, ValueError, RuntimeError: as `submit` raises them for any one prompt; a request the
                 engine failed on raises `RuntimeError` from its result.
         """
+        self._check_leader("generate")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
         n = len(prompts)
@@ -349,6 +374,9 @@ class Engine:
         The timings are the shape policy's cost profile; after warmup, serving compiles nothing. Without it, each
         executable compiles the first time it is needed and each shape is timed when first run.
 
+        In a multi-process job call it on every process (or on process 0 alone): process 0's call runs it
+        everywhere, another process's waits for that to end.
+
         Returns:
             The seconds it took.
 
@@ -357,6 +385,11 @@ class Engine:
                 stopped after an error.
         """
         start = time.perf_counter()
+        if not self.leader:
+            while not self._warmed.wait(FOLLOW_WAIT_S) and self._thread.is_alive():
+                pass
+            self._check_open()
+            return time.perf_counter() - start
         with self._lock:
             self._check_open()
             if self._waiting or self._live_count():
@@ -393,10 +426,12 @@ class Engine:
         """Stop the loop and wait for its thread; queued and decoding requests end with finish_reason "abort".
 
         Leaving a `with Engine(...)` block calls it. Calling it again does nothing more; `submit` and `warmup` then
-        raise RuntimeError.
+        raise RuntimeError. In a multi-process job process 0's close stops every process's loop; another
+        process's close waits for that.
         """
         with self._lock:
-            self._closed = True
+            if self.leader:
+                self._closed = True
             self._lock.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
@@ -412,8 +447,15 @@ class Engine:
                 f"drafter={getattr(self.drafter, 'name', None)})")
 
     # ------------------------------------------------------------------ requests
-    def _validate(self, prompt, settings: dict) -> _Active:
-        """One request checked alone (specjax.SamplingParams' rules, then what this engine can run)."""
+    def _check_leader(self, what: str) -> None:
+        if not self.leader:
+            raise RuntimeError(f"{what}() on process {jax.process_index()}: requests enter a multi-process engine on "
+                               f"process 0, and the other processes' engines replay its decisions (call {what}() "
+                               f"on process 0; here, close() waits for process 0 to close)")
+
+    def _validate(self, prompt, settings: dict, request_id: int | None = None) -> _Active:
+        """One request checked alone (specjax.SamplingParams' rules, then what this engine can run). request_id:
+        process 0's id of a request it sent (on another process of a multi-process job)."""
         settings = dict(settings)
         sampling_params = settings.pop("sampling_params", None)
         chat_template_kwargs = settings.pop("chat_template_kwargs", None)
@@ -428,7 +470,8 @@ class Engine:
         sampling, options = _sampling(t, params), _options(t, params)
         max_new = params.max_new_tokens
         prompts = render_prompts(t, [prompt], chat_template_kwargs)
-        req = prepare(t, prompts, max_new, sampling, params.eos_token_id, None, params.seed, options=options)
+        req = prepare(t, prompts, max_new, sampling, params.eos_token_id, None, params.seed, options=options,
+                      agree=False)
         ids = req.ids[0]
         if len(ids) + max_new > self.max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
@@ -447,7 +490,12 @@ class Engine:
             raise ValueError(f"{len(req.stop_ids)} stop token ids (EOS included); the engine takes at most {STOP_IDS}")
         text = RowText(t, options.row_stops(1)[0], options.include_stop_str_in_output, options.skip_special_tokens,
                        options.penalties.min_tokens)
-        return _Active(RequestHandle(next(self._ids)), ids, req, text, time.perf_counter())
+        active = _Active(RequestHandle(next(self._ids) if request_id is None else request_id), ids, req, text,
+                         time.perf_counter())
+        if self._broadcast is not None:  # what the other processes rebuild it from: its ids, settings and seed
+            active.wire = {"id": active.handle.request_id, "ids": ids,
+                           "settings": {**dataclasses.asdict(params), "seed": req.seeds_used, "max_tokens": None}}
+        return active
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -457,6 +505,8 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
+        if not self.leader:
+            return self._follow()
         try:
             while True:
                 with self._lock:
@@ -467,12 +517,8 @@ class Engine:
                         break
                     warm = self._warmup_requested
                 if warm is not None and not warm.is_set():
-                    self._warmup()
-                    # the dummies' drafts are no one's acceptance: counted from here on
-                    self._depth_base = jax.device_get((self._slots.stats.offered_D, self._slots.stats.accepted_D))
-                    self._last_counts = jax.device_get((self._slots.stats.verified_rank_DR,
-                                                        self._slots.stats.row_rounds))
-                    self.warmed_up = True
+                    self._send({"kind": "warmup"})
+                    self._run_warmup()
                     warm.set()
                     self._warmup_requested = None
                     continue
@@ -481,11 +527,59 @@ class Engine:
             self._error = e
         finally:
             self._shutdown()
+            if self._broadcast is not None:  # the other processes' loops end too
+                self._broadcast.send({"kind": "close", "error": None if self._error is None else repr(self._error)})
 
-    def _step(self) -> None:
-        """One gap between chunks: retire and admit, dispatch the next chunk, then read the previous one."""
+    def _follow(self) -> None:
+        """The loop of a process other than 0 in a multi-process job: each gap as process 0 sends it."""
+        try:
+            while True:
+                message = self._receive("gap", "warmup")
+                if message["kind"] == "warmup":
+                    self._run_warmup()
+                else:
+                    self._step(message)
+        except _Closed as closed:
+            if closed.error is not None:
+                self._error = RuntimeError(f"process 0's engine stopped after an error: {closed.error}")
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+        finally:
+            with self._lock:
+                self._closed = True
+            self._shutdown()
+            self._warmed.set()
+
+    def _send(self, message: dict) -> None:
+        """Process 0's decisions to the other processes (nothing in one process)."""
+        if self._broadcast is not None:
+            self._broadcast.send(message)
+
+    def _receive(self, *kinds: str) -> dict:
+        """Process 0's next message (of one of `kinds`), waiting as long as it takes; _Closed when it closed."""
+        while (message := self._broadcast.receive(FOLLOW_WAIT_S)) is Broadcast.WAITING:
+            pass
+        if message["kind"] == "close":
+            raise _Closed(message["error"])
+        if message["kind"] not in kinds:
+            raise RuntimeError(f"process {jax.process_index()} expected one of {kinds} from process 0, got "
+                               f"{message['kind']!r}: the processes' engines went out of step")
+        return message
+
+    def _run_warmup(self) -> None:
+        """Warm up on the loop's thread (every process at once in a multi-process job), then count from zero."""
+        self._warmup()
+        # the dummies' drafts are no one's acceptance: counted from here on
+        self._depth_base = to_host((self._slots.stats.offered_D, self._slots.stats.accepted_D))
+        self._last_counts = to_host((self._slots.stats.verified_rank_DR, self._slots.stats.row_rounds))
+        self.warmed_up = True
+        self._warmed.set()
+
+    def _step(self, gap: dict | None = None) -> None:
+        """One gap between chunks: retire and admit, dispatch the next chunk, then read the previous one. gap:
+        process 0's decisions for it (on another process of a multi-process job)."""
         self._retire()
-        self._admit()
+        self._admit(gap)
         decoding = sum(a is not None and not a.prefilling for a in self._live)
         if decoding:
             self._dispatch(decoding)
@@ -528,24 +622,31 @@ class Engine:
         self._max_new[dst] = self._max_new[src]
         _set_row(self._rows, dst, self._rows, src)
 
-    def _admit(self) -> None:
-        """Prefill waiting requests into free slots: grouped by prompt bucket, up to max_prefill_batch a group and
-        prefill_tokens_per_gap prompt tokens a gap (at least one request)."""
-        budget = self._prefill_pieces(self.prefill_tokens_per_gap)
+    def _admit(self, gap: dict | None = None) -> None:
+        """Apply the aborts asked since the last gap, then prefill waiting requests into free slots: grouped by
+        prompt bucket, up to max_prefill_batch a group and prefill_tokens_per_gap prompt tokens a gap (at least one
+        request). In a multi-process job process 0 chooses and sends its choice (`gap` on the others) before any
+        of it runs."""
+        if gap is None:
+            with self._lock:
+                aborts, self._abort_asked = self._abort_asked, []
+                for a in aborts:
+                    a.aborted = True
+                pieces, budget = self._piece_plan(self.prefill_tokens_per_gap)
+                chosen, long = self._choose(budget)
+            self._send({"kind": "gap", "aborts": [a.handle.request_id for a in aborts],
+                        "admit": [a.wire for a in chosen], "long": [a.wire for a in long]})
+        else:
+            for request_id in gap["aborts"]:
+                if request_id in self._requests:
+                    self._requests[request_id].aborted = True
+            pieces, _ = self._piece_plan(self.prefill_tokens_per_gap)
+            chosen, long = ([self._replica(w) for w in gap[k]] for k in ("admit", "long"))
+        for a, n in pieces:
+            for _ in range(n):
+                self._next_piece(a)
         with self._lock:
-            free = self.max_slots - self._live_count()
-            chosen, long = [], []
-            while self._waiting and len(chosen) + len(long) < free:
-                a = self._waiting[0]
-                if len(a.ids) > self.prefill_chunk:  # a long prompt: its slot now, its pieces gap by gap
-                    long.append(self._waiting.popleft())
-                    continue
-                need = bucket(len(a.ids))
-                if (chosen or budget < self.prefill_tokens_per_gap) and need > budget:
-                    break
-                chosen.append(self._waiting.popleft())
-                budget -= need
-            for a in long:
+            for a in long:  # a long prompt: its slot now, its pieces gap by gap
                 a.slot, a.prefilling = self._live.index(None), True
                 self._live[a.slot] = a
         if not chosen:
@@ -557,15 +658,42 @@ class Engine:
             for i in range(0, len(group), self.max_prefill_batch):
                 self._prefill(group[i: i + self.max_prefill_batch], length)
 
-    def _prefill_pieces(self, budget: int) -> int:
-        """Run pieces of the long prompts entering their slots, oldest first, while `budget` prompt tokens last (at
-        least one piece a gap); returns the budget left."""
-        spent = False
+    def _choose(self, budget: int) -> tuple[list[_Active], list[_Active]]:
+        """The waiting requests admitted now (under the lock), with `budget` prompt tokens left this gap: (prompts
+        prefilled at once, long prompts that enter their slots in pieces)."""
+        free = self.max_slots - self._live_count()
+        chosen, long = [], []
+        while self._waiting and len(chosen) + len(long) < free:
+            a = self._waiting[0]
+            if len(a.ids) > self.prefill_chunk:
+                long.append(self._waiting.popleft())
+                continue
+            need = bucket(len(a.ids))
+            if (chosen or budget < self.prefill_tokens_per_gap) and need > budget:
+                break
+            chosen.append(self._waiting.popleft())
+            budget -= need
+        return chosen, long
+
+    def _replica(self, wire: dict) -> _Active:
+        """A request process 0 admitted, rebuilt on another process from what it sent."""
+        a = self._validate(wire["ids"], wire["settings"], request_id=wire["id"])
+        self._requests[a.handle.request_id] = a
+        return a
+
+    def _piece_plan(self, budget: int) -> tuple[list[tuple[_Active, int]], int]:
+        """The pieces this gap runs of the long prompts entering their slots, oldest first, while `budget` prompt
+        tokens last (at least one piece a gap): [(request, pieces)] and the budget left. Planned before any runs,
+        so process 0 can send what it admits with this gap's budget first."""
+        c, plan, spent = self.prefill_chunk, [], False
         for a in [a for a in self._live if a is not None and a.prefilling and not a.aborted]:
-            while a.prefilling and (not spent or budget >= self.prefill_chunk):
-                budget -= self._next_piece(a)
-                spent = True
-        return max(budget, 0)
+            offset, n, pieces = a.offset, len(a.ids), 0
+            while offset < n and (not spent or budget >= c):
+                step = c if n - offset > c else n - offset  # as _next_piece takes it
+                budget, offset, pieces, spent = budget - step, offset + step, pieces + 1, True
+            if pieces:
+                plan.append((a, pieces))
+        return plan, max(budget, 0)
 
     def _next_piece(self, a: _Active) -> int:
         """One piece of a's prompt into its slot; the last one makes the row decode. Returns its tokens."""
@@ -640,8 +768,14 @@ class Engine:
     def _dispatch(self, live: int) -> None:
         """The next chunk over every occupied slot; its shape from the `live` rows decoding (prefills not counted)."""
         nb = self._rows_bucket(self._live_count())
-        fixed = len(self.labels) == 1
-        label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
+        if self.leader:
+            fixed = len(self.labels) == 1
+            label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
+            rounds, exit_early = self._rounds, bool(self._waiting)
+            self._send({"kind": "chunk", "label": label, "rounds": rounds, "exit_early": exit_early})
+        else:  # timings and the queue are process 0's
+            chunk = self._receive("chunk")
+            label, rounds, exit_early = chunk["label"], chunk["rounds"], chunk["exit_early"]
         if label != self._shape:
             self._history.append((round(time.perf_counter() - self._started, 4), live, label))
             self._shape = label
@@ -652,8 +786,8 @@ class Engine:
             for a in self._live:
                 if a is not None and not a.prefilling:
                     a.stale = self.drafter is not None
-        self._chunk(label, nb, sampled, self._rounds, bool(self._waiting))
-        snap = self._exec("snapshot", ops.snapshot)(self._slots)
+        self._chunk(label, nb, sampled, rounds, exit_early)
+        snap = self._snapshot()
         owners = [a if a is not None and not a.prefilling else None for a in self._live]
         clean, self._gap_work = not self._gap_work, 0  # no prefill or catch-up ran on the device before it
         self._inflight.append((snap, owners, label, nb, live, clean, time.perf_counter()))
@@ -825,6 +959,12 @@ class Engine:
             self._executables[key] = jitted
         return _Counted(self, jitted, static, key[0])
 
+    def _snapshot(self):
+        """What the host reads after a chunk; in a multi-process job whole on every process (a row's data-parallel
+        shard may live on another process's devices)."""
+        return self._exec("snapshot", ops.snapshot, out=None if self._broadcast is None else self._replicated)(
+            self._slots)
+
     def _draft_params(self):
         return None if self.drafter is None else self.drafter.params
 
@@ -910,7 +1050,7 @@ class Engine:
                         self._chunk(label, nb, sampled, WARMUP_ROUNDS, False)
                         jax.block_until_ready(self._slots)
                         timings.append((time.perf_counter() - start) / WARMUP_ROUNDS)
-                        self._exec("snapshot", ops.snapshot)(self._slots)
+                        self._snapshot()
                         self._retire_all()
                     if len(timings) > 1:  # the least: a timing is only ever slowed by what else runs
                         self.policy.round_s[(nb, label)].add(min(timings[1:]))
@@ -949,7 +1089,7 @@ class Engine:
         return lengths
 
     def _dummy(self, prompt_len: int, max_new: int = 1) -> _Active:
-        return self._validate([1] * max(1, prompt_len), {"max_new_tokens": max_new, "temperature": 0.0})
+        return self._validate([1] * max(1, prompt_len), {"max_new_tokens": max_new, "temperature": 0.0, "seed": 0})
 
     def _retire_all(self) -> None:
         for a in self._live:
@@ -967,6 +1107,14 @@ def _count_lowering(event: str, duration: float, **kw) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+
+
+class _Closed(Exception):
+    """Process 0's engine closed (error: what stopped it, or None)."""
+
+    def __init__(self, error: str | None):
+        super().__init__(error)
+        self.error = error
 
 
 class _Counted:
@@ -1044,7 +1192,7 @@ def _nbytes(tree) -> float:
 def _free_bytes() -> float | None:
     """Free memory of the first device (its allocator's limit less what is in use), or the host's available memory
     on the CPU; None when neither can be read."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     try:

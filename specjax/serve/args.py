@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from specjax.multihost import add_job_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a specjax or Hugging Face checkpoint directory")
@@ -32,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGINT/SIGTERM before they are aborted")
     p.add_argument("--attn-impl", choices=["auto", "xla", "pallas"], default="auto")
+    add_job_arguments(p)  # a multi-process job: process 0 serves, every process runs the engine over one mesh
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

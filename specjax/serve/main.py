@@ -4,6 +4,10 @@ At startup it prints the memory plan of the slots (weights, KV cache of --max-sl
 share), the warm-up time and the URL. SIGINT or SIGTERM stop it: the listening socket closes at once (no new
 requests), requests in flight get --shutdown-timeout seconds to finish and are then aborted, the engine is closed,
 and the process exits 0. A second SIGINT quits at once.
+
+In a multi-process job (--coordinator or --distributed; the target on a --mesh over every process's devices)
+every process loads, builds the engine and warms it up; process 0 serves HTTP and decides, the others replay its
+engine's decisions until process 0 stops (specjax/engine/engine.py), then exit 0 too.
 """
 
 from __future__ import annotations
@@ -102,10 +106,12 @@ def main(args) -> int:
 
     from specjax.engine import Engine
     from specjax.loading.target import load
+    from specjax.multihost import join_job
     from specjax.serve.app import Server, build_app
 
     if args.max_logprobs < -1:
         raise ValueError(f"--max-logprobs must be >= 0, or -1 for none, got {args.max_logprobs}")
+    join_job(args)
     started = time.perf_counter()
     target = load(args.ckpt, attn_impl=args.attn_impl, mesh=serving_mesh(args.tensor_parallel, args.mesh))
     drafter = load_drafter(args.drafter, target)
@@ -118,13 +124,17 @@ def main(args) -> int:
     engine = Engine(target, drafter, max_slots=args.max_slots, max_len=args.max_len, num_draft_tokens=shape,
                     tree=args.tree, logprobs=max_logprobs, penalties=not args.no_penalties,
                     sampling=not args.greedy_only)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     try:
         for line in memory_lines(target, engine, args.tensor_parallel or (args.mesh[1] if args.mesh else 1)):
-            print(line, flush=True)
+            say(line, flush=True)
         devices = jax.devices()
-        print(f"warming up: compiling every executable ({len(devices)} {devices[0].platform} device(s))", flush=True)
+        say(f"warming up: compiling every executable ({len(devices)} {devices[0].platform} device(s))", flush=True)
         warm = engine.warmup()
-        print(f"warm-up: {warm:.1f} s (startup {time.perf_counter() - started:.1f} s)", flush=True)
+        say(f"warm-up: {warm:.1f} s (startup {time.perf_counter() - started:.1f} s)", flush=True)
+        if jax.process_index() > 0:  # the engine's loop replays process 0's; close() returns when process 0 stops
+            engine.close()
+            return 0
         name = args.served_model_name or Path(args.ckpt).resolve().name
         server = Server(engine, target, name, max_len=args.max_len, max_queue=args.max_queue,
                         max_logprobs=max_logprobs)
