@@ -162,9 +162,9 @@ def main() -> None:
             "ramp_began": ramp_began}
         for e in engines.values():
             e.close()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        if args.out:  # after each drafter: a long run keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
     if args.plot:
         plot(record, args.plot)
 
