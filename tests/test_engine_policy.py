@@ -157,3 +157,14 @@ def test_a_chunk_after_a_prefill_updates_the_realized_rate_but_not_the_round_tim
     assert p.round_s[(1, "chain:4")].value == before and p.row_rate[(1, "chain:4")].samples == 1
     p.record(1, 1, "chain:4", 8, 30, 8 * 3 * before)
     assert p.round_s[(1, "chain:4")].value > before
+
+
+def test_a_shape_worse_than_off_is_dropped_even_where_off_never_ran():
+    """auto ran chain:4 at bucket 8 only (off never ran there, so off has no realized rate): chain:4's realized rate
+    against off's timed step cost still drops it, and the choice falls to a shape that measures up."""
+    p = policy(0.9)
+    assert p.choose(1, 1, None) == "chain:4"
+    off_row_rate = 1 / (ROUND_MS[1][OFF] / 1e3)  # one token a step: 167 a row per second
+    for _ in range(MIN_SAMPLES):
+        p.record(1, 1, "chain:4", 10, 10, 10 / (0.8 * off_row_rate))  # 80% of off's rate
+    assert (1, "chain:4") in p.dropped and (1, OFF) not in p.row_rate

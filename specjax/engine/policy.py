@@ -17,8 +17,9 @@ Hysteresis, in size and in time: the shape in use is kept while its prediction i
 and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
 joining and leaving (a bucket boundary crossed back and forth) or one noisy chunk time does not flip it. A shape in
 use that is dropped at this bucket is left at once. The loop is closed: each chunk's realized tokens per live row
-per second is recorded per (bucket, shape), and a shape that measures more than 5% worse than off at a bucket
-(both over `MIN_SAMPLES` chunks) is dropped there.
+per second is recorded per (bucket, shape), and a shape that measures, over `MIN_SAMPLES` chunks, more than 5% worse
+than off at a bucket (off's realized rate there, or while off has not run there, its clean chunks against one
+token a step at off's timed cost) is dropped there.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class LoadPolicy:
         self.labels, self.specs, self.hysteresis, self.dwell = list(labels), dict(specs), hysteresis, dwell
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
-        self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)
+        self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # every chunk's tokens/row/s
+        self.clean_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # those with no prefill before them
         self.dropped: set[tuple[int, str]] = set()
         depth, ranks = shape_size(self.specs.values())
         self.verified_DR = np.zeros((depth, ranks))  # drafts the target accepted, per (depth, rank)
@@ -157,11 +159,24 @@ class LoadPolicy:
             return
         if clean:
             self.round_s[(nb, label)].add(seconds / rounds)
-        self.row_rate[(nb, label)].add(tokens / live / seconds)
-        off, this = self.row_rate.get((nb, OFF)), self.row_rate[(nb, label)]
-        if label != OFF and off is not None and min(off.samples, this.samples) >= MIN_SAMPLES \
-                and this.value < DROP_MARGIN * off.value:
+        rate = tokens / live / seconds
+        self.row_rate[(nb, label)].add(rate)
+        if clean:
+            self.clean_rate[(nb, label)].add(rate)
+        if label != OFF and self.worse_than_off(nb, label):
             self.dropped.add((nb, label))
+
+    def worse_than_off(self, nb: int, label: str) -> bool:
+        """Whether `label` realizes more than 5% fewer tokens per row per second than off at bucket nb, both over
+        MIN_SAMPLES chunks; where off has not run there, its clean chunks against off's timed step cost (one token a
+        step), so a shape that keeps off from running at a bucket must still measure up to it."""
+        this, off = self.row_rate[(nb, label)], self.row_rate.get((nb, OFF))
+        if off is not None and min(this.samples, off.samples) >= MIN_SAMPLES:
+            return this.value < DROP_MARGIN * off.value
+        this, cost = self.clean_rate.get((nb, label)), self.round_s.get((nb, OFF))
+        if this is None or this.samples < MIN_SAMPLES or cost is None or not cost.samples:
+            return False
+        return this.value < DROP_MARGIN / max(cost.value, 1e-9)
 
     def summary(self) -> dict:
         p_DR = self.acceptance()
