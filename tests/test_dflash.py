@@ -248,16 +248,20 @@ def test_unaccounted_and_missing_tensors_are_refused(tmp_path):
 MAX_NEW = 23  # ends mid-block for most rows
 
 
-@pytest.fixture(scope="module")
-def target():
-    """A random 6-layer Qwen3 target the fixture drafter fits. Its lm_head favours tokens 3, 4, 5 (4 the most),
-    the tokens the random fixture drafter tends to guess, so whole blocks as well as parts of blocks get
+def favoured_target() -> Target:
+    """A random 6-layer Qwen3 target the fixture drafters fit. Its lm_head favours tokens 3, 4, 5 (4 the most),
+    the tokens the random fixture drafters tend to guess, so whole blocks as well as parts of blocks get
     accepted (tau about 1.5) and update's bookkeeping runs for every accepted count."""
     cfg = target_config()
     params = init_target_params(cfg, jax.random.key(0), scale=0.4)
     favour = jnp.full((cfg.vocab_size,), 0.01).at[3:6].set(jnp.array([50.0, 100.0, 50.0]))
     params["lm_head"] = params["lm_head"] * favour
     return Target(params, cfg, hf_config={}, attn_impl="xla")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return favoured_target()
 
 
 @pytest.fixture(scope="module")

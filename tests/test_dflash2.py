@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_dflash import split_taps, target_config
+from test_dflash import favoured_target, split_taps, target_config
 from test_lossless_sampling import NEW, PROMPT, ROWS, VOCAB, chi_square_passes, exact_distribution, tiny
 
 import specjax
@@ -33,8 +33,6 @@ from specjax.drafters.dflash import BlockConfig, backbone, drafter_params, init_
 from specjax.drafters.dflash2 import DFlash2Drafter, DFlash2Head, block_hidden, conv_prepare, grouped_conv, \
     head_param_shapes
 from specjax.loading.drafter import dflash2_drafter, load_drafter
-from specjax.models.model import init_params as init_target_params
-from specjax.models.target import Target
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash2" / "basic"
 ATOL = 1e-5
@@ -162,11 +160,7 @@ MAX_NEW = 23
 
 @pytest.fixture(scope="module")
 def target():
-    """A random target the fixture head fits, its lm_head favouring tokens 3, 4, 5 so drafts get accepted."""
-    cfg = target_config()
-    params = init_target_params(cfg, jax.random.key(0), scale=0.4)
-    params["lm_head"] = params["lm_head"] * jnp.full((cfg.vocab_size,), 0.01).at[3:6].set(jnp.array([50., 100., 50.]))
-    return Target(params, cfg, hf_config={}, attn_impl="xla")
+    return favoured_target()  # its lm_head favours tokens 3, 4, 5, so drafts get accepted
 
 
 @pytest.fixture(scope="module")
