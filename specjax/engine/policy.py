@@ -78,6 +78,7 @@ class LoadPolicy:
         depth, ranks = shape_size(self.specs.values())
         self.verified_DR = np.zeros((depth, ranks))  # drafts the target accepted, per (depth, rank)
         self.offered_DR = np.zeros((depth, ranks))  # their opportunities (offered under an accepted parent)
+        self._p_DR: np.ndarray | None = None  # acceptance() of these counts, until the next learn()
 
     def learn(self, label: str, verified_DR: np.ndarray, row_rounds: int) -> None:
         """One chunk's acceptance: its verified drafts per (depth, rank) over `row_rounds` active row-rounds of
@@ -92,9 +93,12 @@ class LoadPolicy:
         v_DR[:got.shape[0], :got.shape[1]] = got
         self.verified_DR += v_DR
         self.offered_DR += opportunities(tree, v_DR, row_rounds)
+        self._p_DR = None
 
     def acceptance(self) -> np.ndarray:
         """p [D, R]: measured where offered at least MIN_OFFERED times, else the priors (module docstring)."""
+        if self._p_DR is not None:
+            return self._p_DR
         depth, ranks = self.verified_DR.shape
         known_DR = self.offered_DR >= MIN_OFFERED
         measured_DR = np.where(known_DR, self.verified_DR / np.maximum(self.offered_DR, 1), np.nan)
@@ -113,6 +117,7 @@ class LoadPolicy:
             total = p_DR[d].sum()
             if total > 1:  # sibling guesses are exclusive; counting noise must not say otherwise
                 p_DR[d] /= total
+        self._p_DR = p_DR
         return p_DR
 
     def tau(self, label: str) -> float:
@@ -131,11 +136,10 @@ class LoadPolicy:
         return live * self.tau(label) / max(cost.value, 1e-9)
 
     def choose(self, nb: int, live: int, current: str | None) -> str:
-        options = [label for label in self.labels if (nb, label) not in self.dropped]
-        unknown = [label for label in options if self.predicted(nb, live, label) is None]
+        scores = {label: self.predicted(nb, live, label) for label in self.labels if (nb, label) not in self.dropped}
+        unknown = [label for label, score in scores.items() if score is None]
         if unknown:  # never timed at this bucket (no warmup): run it once to learn its cost
             return current if current in unknown else unknown[0]
-        scores = {label: self.predicted(nb, live, label) for label in options}
         best = max(scores, key=scores.get)
         if current not in scores:  # nothing in use yet, or the shape in use was dropped at this bucket
             self.challenger, self.streak = None, 0
