@@ -153,3 +153,22 @@ class FakeEngine:
         h.push(last, out)
 
 
+def until_serving(proc, url: str, timeout_s: float) -> str:
+    """What a `specjax serve` subprocess printed up to its "serving" line, once `url`/health answers 200 (or
+    timeout_s has passed): the start-up every command-line server test waits for."""
+    import httpx
+
+    printed = []
+    for line in proc.stdout:
+        printed.append(line)
+        if line.startswith("serving"):
+            break
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return "".join(printed)
+

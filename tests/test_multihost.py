@@ -18,13 +18,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from hf_tiny import build_hf_model, save_hf_model
 from multihost_check import (ENGINE_ABORTED, ENGINE_REQUESTS, LOCAL_DEVICES, LOOPS, MESHES, NUM_PROCESSES, READ,
                              decode, load_all, prompts)
+from serve_fake_engine import until_serving
 
 import specjax
 
@@ -161,20 +161,9 @@ def test_serve_across_processes_answers_from_process_0_and_stops_with_it():
     procs = [subprocess.Popen(c, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in cmds]
     try:
-        printed = []
-        for line in procs[0].stdout:
-            printed.append(line)
-            if line.startswith("serving"):
-                break
-        assert any(line.startswith("warm-up:") for line in printed), "".join(printed)
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        printed = until_serving(procs[0], url, 60)
+        assert "\nwarm-up:" in "\n" + printed, printed
         answers = [httpx.post(f"{url}/v1/completions", json={"model": "target", "prompt": p, "max_tokens": 8,
                                                               "temperature": 0, "ignore_eos": True}, timeout=300).json()
                    for p in ("def f(x):", "import os")]

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
+from serve_fake_engine import until_serving  # noqa: E402
 
 from specjax import generate, load, load_drafter  # noqa: E402
 from specjax.engine import Engine  # noqa: E402
@@ -182,22 +183,10 @@ def test_command_prints_its_plan_and_stops_cleanly_on_sigterm(tmp_path):
            "64", "--greedy-only", "--max-logprobs", "-1", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("serving"):
-                break
-        printed = "".join(lines)
-        assert "memory plan" in printed and "4 slots x 64 tokens" in printed and "warm-up:" in printed
-        assert f"http://127.0.0.1:{port}/v1" in printed
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        printed = until_serving(proc, url, 30)
+        assert "memory plan" in printed and "4 slots x 64 tokens" in printed and "warm-up:" in printed
+        assert f"{url}/v1" in printed
         body = {"model": "target", "prompt": "def f(x):", "max_tokens": 40, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             events = r.iter_lines()
