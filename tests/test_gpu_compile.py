@@ -126,10 +126,13 @@ def test_the_command_prints_and_writes_the_records(monkeypatch, capsys, tmp_path
 def test_a_block_fp8_8b_target_holds_its_quantized_size_on_h100(h100):
     """The 8B plain loop with its linears as a block-FP8 checkpoint loads them: the compiled arguments are the FP8
     size (~8.5 GiB: 1 byte a linear weight, f32 block scales, the bf16 embedding and lm_head), not bf16's 15 GiB.
-    Whether XLA fuses the dequantization into the GEMMs is counted (docs/quantization.md reports it)."""
+    Whether XLA fuses the dequantization into the GEMMs is counted: it does not."""
     graph = loop_graph("8b", "plain", 1, quantized="fp8")
     record, _ = compile_graph(graph, h100)
     assert "error" not in record, record.get("error")
     assert 8.3 * GIB < record["argument_bytes"] < 8.6 * GIB
     assert record["pallas_kernels"].get("tree_attention", 0) >= 1
-    assert record["dequantized_weights"] >= 0 and graph.name == "plain/8b/b1/fp8"
+    assert graph.name == "plain/8b/b1/fp8"
+    # jax 0.10.2's XLA writes each dequantized weight before its GEMM (12 here; docs/quantization.md reports it as
+    # the reason FP8 needs a fused kernel): when this fails, XLA fuses them, and that page must say so
+    assert record["dequantized_weights"] > 0

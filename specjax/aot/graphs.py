@@ -33,6 +33,7 @@ from specjax.kernels import tree_attention
 from specjax.loading.target import target_shardings
 from specjax.models.model import param_shapes
 from specjax.planning.presets import QWEN35_27B
+from specjax.quant.qarray import QuantizedWeight
 
 # Presets compiled: the bench presets on a GPU, and Qwen3.5-27B (64 hybrid layers, unrolled) for the compile time
 # of the deepest per-layer graph.
@@ -214,8 +215,6 @@ def fp8_linears(params: dict, dtype) -> dict:
     """`params` (ShapeDtypeStructs) with every linear the loader keeps quantized as a block-FP8 QuantizedWeight:
     float8_e4m3fn values [..., I, O] and float32 scales per 128 x 128 block (DeepSeek-V3's layout, ragged last blocks),
     what `specjax.load` holds for a `quant_method: fp8` checkpoint; norms, routers, embedding and lm_head as they are."""
-    from specjax.quant.qarray import QuantizedWeight
-
     bi, bo = FP8_BLOCK
 
     def convert(path, x):
