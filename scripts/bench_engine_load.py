@@ -157,8 +157,8 @@ def main() -> None:
             "fixed": table, "ramp_levels": ramp, "step_s": args.step_s,
             "ramp_shapes": stats["shapes_over_time"][history_from:], "ramp_occupancy": samples,
             "compiles_after_warmup": {n: e.stats()["compiles"] - compiles[n] for n, e in engines.items()},
-            "policy": {k: stats[k] for k in ("round_ms", "dropped", "acceptance_at_depth", "acceptance_depth_rank",
-                                             "tau")},
+            "policy": {k: stats[k] for k in ("round_ms", "realized_factor", "dropped", "acceptance_at_depth",
+                                             "acceptance_depth_rank", "tau")},
             "ramp_began": ramp_began}
         for e in engines.values():
             e.close()

@@ -12,7 +12,14 @@ Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / roun
   reach of the tree the best-first rule grows on p (planning/block_trees.py `expected_template`). Where a (depth,
   rank) has too few opportunities yet: a deeper depth continues the deepest measured one; rank 0 before any data
   is PRIOR_ACCEPTANCE; rank r > 0 takes RANK_PRIOR of the probability the ranks before it leave;
-- "off" emits one token per row per step.
+- "off" emits one token per row per step;
+- times a realization factor per (bucket, shape): the tokens its chunks emitted over the tokens this model predicted
+  for them (sums, older chunks forgotten, FORGET a chunk at that bucket; a clean chunk counts as realized, its time
+  being the round cost's own sample), shrunk toward 1 by PRIOR_CHUNKS chunks' worth of belief. It carries the work
+  the round cost leaves out, which running requests bring: prefills, prompt pieces and catch-ups between chunks (a
+  draft model's prefill and catch-up are its shapes' alone), which under churn precede almost every chunk. A shape never run at a bucket keeps factor 1 (the model's word), so when the shape in use
+  realizes less than another is predicted to give, that one gets tried and measured too; as a shape's evidence
+  ages while others run, its factor returns toward 1 and it is tried again.
 Hysteresis, in size and in time: the shape in use is kept while its prediction is within `hysteresis` of the best,
 and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
 joining and leaving (a bucket boundary crossed back and forth) or one noisy chunk time does not flip it. A shape in
@@ -41,6 +48,8 @@ MIN_OFFERED = 16  # opportunities of a (depth, rank) before its measured accepta
 MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
 DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
 EMA = 0.2  # weight of a new chunk in the running averages
+FORGET = 0.998  # per chunk at a bucket: how much of each shape's realization evidence there is kept
+PRIOR_CHUNKS = 4.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
 DWELL = 3  # choices in a row a challenger must lead by more than the hysteresis before it replaces the shape in use
 
 
@@ -52,6 +61,20 @@ class Average:
     def add(self, x: float) -> None:
         self.value = x if self.samples == 0 else (1 - EMA) * self.value + EMA * x
         self.samples += 1
+
+
+@dataclasses.dataclass
+class Realization:
+    """Decayed sums over a (bucket, shape)'s chunks: tokens emitted, tokens the model predicted, chunks counted."""
+    tokens: float = 0.0
+    predicted: float = 0.0
+    chunks: float = 0.0
+
+    def factor(self) -> float:
+        """Emitted over predicted, shrunk toward 1 by PRIOR_CHUNKS chunks of belief in the model."""
+        if self.predicted <= 0:
+            return 1.0
+        return (self.chunks * self.tokens / self.predicted + PRIOR_CHUNKS) / (self.chunks + PRIOR_CHUNKS)
 
 
 def shape_size(specs) -> tuple[int, int]:
@@ -74,6 +97,7 @@ class LoadPolicy:
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
         self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # every chunk's tokens/row/s
         self.clean_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # those with no prefill before them
+        self.realized: dict[tuple[int, str], Realization] = defaultdict(Realization)
         self.dropped: set[tuple[int, str]] = set()
         depth, ranks = shape_size(self.specs.values())
         self.verified_DR = np.zeros((depth, ranks))  # drafts the target accepted, per (depth, rank)
@@ -128,12 +152,18 @@ class LoadPolicy:
         tree = expected_template(spec, p_DR) if isinstance(spec, DynamicTreeSpec) else spec
         return expected_tau(tree, p_DR)
 
-    def predicted(self, nb: int, live: int, label: str) -> float | None:
-        """Tokens per second at `live` rows, or None while this bucket's round time is unknown."""
+    def modelled(self, nb: int, live: int, label: str) -> float | None:
+        """The model's tokens per second at `live` rows (tau over the round time), or None while this bucket's round
+        time is unknown."""
         cost = self.round_s.get((nb, label))
         if cost is None or cost.samples == 0:
             return None
         return live * self.tau(label) / max(cost.value, 1e-9)
+
+    def predicted(self, nb: int, live: int, label: str) -> float | None:
+        """Tokens per second at `live` rows: the model's, times what this shape realized of it at this bucket."""
+        rate = self.modelled(nb, live, label)
+        return None if rate is None else rate * self.realized[(nb, label)].factor()
 
     def choose(self, nb: int, live: int, current: str | None) -> str:
         scores = {label: self.predicted(nb, live, label) for label in self.labels if (nb, label) not in self.dropped}
@@ -161,6 +191,17 @@ class LoadPolicy:
         round time would charge one shape with work every shape does."""
         if rounds <= 0 or seconds <= 0 or live <= 0:
             return
+        modelled = self.modelled(nb, live, label)  # before this chunk's time moves the round cost
+        for (b, _), evidence in self.realized.items():
+            if b == nb:
+                evidence.tokens, evidence.predicted, evidence.chunks = (FORGET * evidence.tokens,
+                                                                        FORGET * evidence.predicted,
+                                                                        FORGET * evidence.chunks)
+        if modelled is not None:  # a clean chunk's time feeds the round cost below: it realizes the model by definition
+            evidence = self.realized[(nb, label)]
+            evidence.tokens += tokens
+            evidence.predicted += tokens if clean else modelled * seconds
+            evidence.chunks += 1
         if clean:
             self.round_s[(nb, label)].add(seconds / rounds)
         rate = tokens / live / seconds
@@ -188,4 +229,6 @@ class LoadPolicy:
                 "acceptance_depth_rank": [[float(x) for x in row] for row in p_DR],
                 "tau": {label: self.tau(label) for label in self.labels},
                 "round_ms": {f"{nb}/{label}": a.value * 1e3 for (nb, label), a in sorted(self.round_s.items())},
+                "realized_factor": {f"{nb}/{label}": r.factor() for (nb, label), r in sorted(self.realized.items())
+                                    if r.chunks > 0},
                 "dropped": sorted(f"{nb}/{label}" for nb, label in self.dropped)}
