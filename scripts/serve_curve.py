@@ -4,13 +4,17 @@
 
     python scripts/serve_curve.py --out docs/records/serve_curve_cpu.json --plot docs/serve_curve_cpu.png
 
-For each server setting (--settings: off, chain:K, auto) it starts `specjax serve CKPT --drafter D
---num-draft-tokens ... --greedy-only` as a subprocess on a free port, waits for its warm-up, runs the load at every
---concurrency (--max-concurrency C with C x --prompts-per-slot requests of the embedded held-out prompts, all sent
-at once, greedy), then stops it with SIGTERM and records its exit code (0 expected). With --preset (a random target
-and draft model, e.g. 8b on a GPU) the engine is built and served in this process instead, with random prompt ids.
-The best fixed chain at each concurrency is the fixed setting with the highest output throughput there. The JSON
-keeps each run's vLLM metrics and the server's acceptance over it.
+Every server setting (--settings: off, chain:K, auto) is started first: `specjax serve CKPT --drafter D
+--num-draft-tokens ... --greedy-only` as a subprocess on a free port each, started and warmed up one at a time. Then,
+--repeats times, at every --concurrency, the settings are loaded in a shuffled order (interleaved, so a drift of the
+machine's speed moves every setting alike): --max-concurrency C with C x --prompts-per-slot requests of the embedded
+held-out prompts, all sent at once, greedy. Each server is then stopped with SIGTERM and its exit code recorded (0
+expected). With --preset (a random target and draft model, e.g. 8b on a GPU) the engines are built and served in
+this process instead, with random prompt ids.
+Reported per (setting, concurrency): the run with the median output throughput over the repeats; auto / off and
+auto / best fixed as the median of the ratios within each repeat; the best fixed chain at a concurrency is the
+fixed setting with the highest median output throughput there. The JSON keeps every run's vLLM metrics and the
+server's acceptance over it.
 """
 
 from __future__ import annotations
@@ -88,6 +92,20 @@ def preset_server(args, setting: str, pair):
         engine.close()
 
 
+def replay_for(args, target, vocab: int):
+    """The replay drafter over every prompt the run sends (samples_for at the largest concurrency: each smaller
+    one's prompts are its first ones), drafting the target's greedy continuation right with probability ALPHA."""
+    import specjax
+    from specjax.drafters.replay import replay_drafter
+
+    kind, _, alpha = args.preset_drafter.partition(":")
+    if kind != "replay" or not alpha:
+        raise SystemExit(f"--preset-drafter must be 'draft' or 'replay:ALPHA', got {args.preset_drafter!r}")
+    prompts = [s.prompt for s in samples_for(args, max(args.concurrency) * args.prompts_per_slot, None, vocab)]
+    continuations = specjax.generate(target, prompts, max_new_tokens=args.output_len + 1, eos_token_id=[]).tokens
+    return replay_drafter(continuations, vocab, 1.0 - float(alpha), prompts=prompts)
+
+
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -111,21 +129,28 @@ def samples_for(args, n: int, tokenizer, vocab: int | None) -> list[datasets.Sam
             for _ in range(n)]
 
 
-def run_setting(args, setting: str, server, tokenizer, vocab: int | None) -> list[dict]:
-    rows = []
-    with server as url:
+def run_once(args, setting: str, url: str, c: int, tokenizer, vocab: int | None, repeat: int) -> dict:
+    samples = samples_for(args, c * args.prompts_per_slot, tokenizer, vocab)
+    run = asyncio.run(benchmark(url, "/v1/completions", "tiny", samples, max_concurrency=c,
+                                sampling={"temperature": 0.0}, progress=False))
+    row = {"setting": setting, "max_concurrency": c, "repeat": repeat, **metrics.calculate(run["results"],
+                                                                                           run["duration"]),
+           "server": run["server"], "shapes_seen": sorted({g["shape"] for g in run["gauges"] if g.get("shape")})}
+    print(f"{setting:>8} c={c:<3} rep {repeat}: {row['output_throughput']:8.1f} tok/s  median TPOT "
+          f"{row['median_tpot_ms']:7.1f} ms  TTFT {row['median_ttft_ms']:7.1f} ms  shapes {row['shapes_seen']}"
+          f"  failed {row['failed']}", flush=True)
+    return row
+
+
+def run_interleaved(args, servers: dict, tokenizer, vocab: int | None) -> list[dict]:
+    """Every (repeat, concurrency): each setting's server loaded in turn, in a shuffled order."""
+    runs = []
+    for repeat in range(args.repeats):
         for c in args.concurrency:
-            samples = samples_for(args, c * args.prompts_per_slot, tokenizer, vocab)
-            run = asyncio.run(benchmark(url, "/v1/completions", "tiny", samples, max_concurrency=c,
-                                        sampling={"temperature": 0.0}, progress=False))
-            result = metrics.calculate(run["results"], run["duration"])
-            row = {"setting": setting, "max_concurrency": c, **result, "server": run["server"],
-                   "shapes_seen": sorted({g["shape"] for g in run["gauges"] if g.get("shape")})}
-            rows.append(row)
-            print(f"{setting:>8} c={c:<3} {row['output_throughput']:8.1f} tok/s  median TPOT "
-                  f"{row['median_tpot_ms']:7.1f} ms  TTFT {row['median_ttft_ms']:7.1f} ms  shapes {row['shapes_seen']}"
-                  f"  failed {row['failed']}", flush=True)
-    return rows
+            order = list(servers)
+            np.random.default_rng(repeat * 1000 + c).shuffle(order)
+            runs += [run_once(args, setting, servers[setting], c, tokenizer, vocab, repeat) for setting in order]
+    return runs
 
 
 def main(argv=None) -> int:
@@ -134,6 +159,10 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=None, help="a random target and draft model instead (bench spec's presets: "
                                                    "8b on a GPU; tiny20m, 300m on a CPU), served in this process")
     ap.add_argument("--input-len", type=int, default=128, help="with --preset: random prompt ids of this length")
+    ap.add_argument("--preset-drafter", default="draft",
+                    help="with --preset: its random draft model ('draft'), or 'replay:ALPHA', the replay drafter "
+                         "keyed by prompt (each draft the target's own next token with probability ALPHA, free to "
+                         "draft: specjax/drafters/replay.py)")
     ap.add_argument("--drafter", default=str(embedded("draft")))
     ap.add_argument("--settings", default="off,chain:1,chain:2,chain:4,auto")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
@@ -141,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (setting, concurrency)")
     ap.add_argument("--ready-timeout", type=float, default=1800)
     ap.add_argument("--logs", default="runs/serve_curve")
     ap.add_argument("--out", default="runs/serve_curve.json")
@@ -160,6 +190,8 @@ def main(argv=None) -> int:
 
         pair = preset_pair(args.preset, None, 0, "auto")
         vocab = pair[0].cfg.vocab_size
+        if args.preset_drafter != "draft":
+            pair = (pair[0], replay_for(args, pair[0], vocab))
     else:
         tokenizer = datasets.load_tokenizer(args.target)
     exit_codes: dict[str, int] = {}
@@ -167,15 +199,19 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}", "runs": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for setting in args.settings.split(","):
-        server = preset_server(args, setting, pair) if pair else checkpoint_server(args, setting, exit_codes)
-        record["runs"] += run_setting(args, setting, server, tokenizer, vocab)
-        record["server_exit_codes"] = exit_codes
+    with contextlib.ExitStack() as stack:
+        servers = {setting: stack.enter_context(preset_server(args, setting, pair) if pair else
+                                                checkpoint_server(args, setting, exit_codes))
+                   for setting in args.settings.split(",")}
+        record["runs"] = run_interleaved(args, servers, tokenizer, vocab)
         out.write_text(json.dumps(record, indent=1))
+    record["server_exit_codes"] = exit_codes
     curves = best_fixed(record["runs"])
     record["curve"] = {label: [{k: r[k] for k in ("max_concurrency", "output_throughput", "median_tpot_ms",
                                                    "setting")} for r in rows] for label, rows in curves.items()}
-    what = f"random {args.preset} target + draft model" if args.preset else "embedded target + draft model"
+    record["ratios"] = ratios(record["runs"])
+    drafter = "its random draft model" if args.preset_drafter == "draft" else f"{args.preset_drafter} drafter"
+    what = f"random {args.preset} target + {drafter}" if args.preset else "embedded target + draft model"
     record["title"] = f"specjax serve, {what}, {record['machine'].split(',')[0]}"
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
@@ -186,42 +222,69 @@ def main(argv=None) -> int:
     return 0
 
 
+def medians(runs: list[dict]) -> dict[tuple[str, int], dict]:
+    """{(setting, concurrency): its run with the median output throughput over the repeats}."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["setting"], r["max_concurrency"]), []).append(r)
+    return {key: sorted(rows, key=lambda r: r["output_throughput"])[(len(rows) - 1) // 2]
+            for key, rows in groups.items()}
+
+
+def ratios(runs: list[dict]) -> dict[int, dict]:
+    """Per concurrency: auto / off and auto / the best fixed chain (by median), each the median of the ratios within
+    a repeat (the settings ran back to back there, so a drift of the machine moves both sides alike)."""
+    med = medians(runs)
+    by = {(r["setting"], r["max_concurrency"], r.get("repeat", 0)): r["output_throughput"] for r in runs}
+    out = {}
+    for c in sorted({c for _, c in med}):
+        fixed = [s for s, cc in med if cc == c and s.startswith("chain:")]
+        best = max(fixed, key=lambda s: med[(s, c)]["output_throughput"], default=None)
+        row = {"best_fixed": best}
+        for name, ref in (("auto_vs_off", "off"), ("auto_vs_best", best)):
+            pairs = [by[("auto", c, k)] / by[(ref, c, k)] for (s, cc, k) in by
+                     if s == "auto" and cc == c and (ref, c, k) in by and by[(ref, c, k)] > 0]
+            row[name] = float(np.median(pairs)) if pairs else None
+        out[c] = row
+    return out
+
+
 def format_table(runs: list[dict]) -> str:
-    """Markdown: output tok/s and median TPOT per concurrency, a column pair per setting, the best fixed marked."""
+    """Markdown: median output tok/s and its run's median TPOT per concurrency, a column pair per setting (the best
+    fixed chain bold), auto / off and auto / best fixed, and the shapes auto's server reported."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
-    best = {r["max_concurrency"]: r["setting"] for label, rows in best_fixed(runs).items() if label.startswith("best")
-            for r in rows}
-    head = "| concurrency | " + " | ".join(f"{s} tok/s (TPOT ms)" for s in settings) + " | auto's shapes |"
-    lines = [head, "|" + "---|" * (len(settings) + 2)]
+    med, rat = medians(runs), ratios(runs)
+    head = ("| concurrency | " + " | ".join(f"{s} tok/s (TPOT ms)" for s in settings) +
+            " | auto / off | auto / best fixed | auto's shapes |")
+    lines = [head, "|" + "---|" * (len(settings) + 4)]
     for c in sorted({r["max_concurrency"] for r in runs}):
-        cells, shapes = [], ""
+        cells = []
         for s in settings:
-            r = next((r for r in runs if r["setting"] == s and r["max_concurrency"] == c), None)
-            mark = "**" if best.get(c) == s else ""
+            r = med.get((s, c))
+            mark = "**" if rat[c]["best_fixed"] == s else ""
             cells.append("" if r is None else f"{mark}{r['output_throughput']:.0f}{mark} ({r['median_tpot_ms']:.1f})")
-            if r is not None and s == "auto":
-                shapes = ", ".join(r["shapes_seen"])
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {shapes} |")
+        shapes = sorted({x for r in runs if r["setting"] == "auto" and r["max_concurrency"] == c
+                         for x in r["shapes_seen"]})
+        fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {fmt(rat[c]['auto_vs_off'])} | "
+                     f"{fmt(rat[c]['auto_vs_best'])} | {', '.join(shapes)} |")
     return "\n".join(lines)
 
 
 def best_fixed(runs: list[dict]) -> dict[str, list[dict]]:
-    """{"off": [...], "best fixed (chain:...)": [the best chain:K run at each concurrency], "auto": [...]} (those
-    present)."""
+    """{"off": [...], "best fixed (chain:...)": [the best chain:K at each concurrency], "auto": [...]} (those present),
+    each setting's median run per concurrency."""
+    med = medians(runs)
     curves: dict[str, list[dict]] = {}
     for label in ("off", "auto"):
-        rows = [r for r in runs if r["setting"] == label]
+        rows = [med[k] for k in sorted(med, key=lambda k: k[1]) if k[0] == label]
         if rows:
             curves[label] = rows
-    fixed = [r for r in runs if r["setting"].startswith("chain:")]
+    fixed = sorted({s for s, _ in med if s.startswith("chain:")}, key=lambda s: int(s.split(":")[1]))
     if fixed:
-        best = {}
-        for r in fixed:
-            c = r["max_concurrency"]
-            if c not in best or r["output_throughput"] > best[c]["output_throughput"]:
-                best[c] = r
-        chains = sorted({r["setting"] for r in fixed}, key=lambda s: int(s.split(":")[1]))
-        curves[f"best fixed ({', '.join(chains)})"] = [best[c] for c in sorted(best)]
+        best = [max((med[(s, c)] for s in fixed if (s, c) in med), key=lambda r: r["output_throughput"])
+                for c in sorted({c for s, c in med if s in fixed})]
+        curves[f"best fixed ({', '.join(fixed)})"] = best
     return curves
 
 

@@ -192,3 +192,18 @@ def test_a_shape_realizing_less_than_its_model_yields_and_is_tried_again_later()
     assert 1 <= retries <= 4, retries  # tried again as its evidence ages, not every few chunks
     assert held[first_off:].count(OFF) >= 0.97 * len(held[first_off:])
     assert abs(p.realized[(8, OFF)].factor() - 1) < 0.01 and p.realized[(8, "chain:4")].factor() < 0.8
+
+
+def test_chunk_rounds_grow_to_the_target_time_and_shrink_when_rounds_get_dearer():
+    from specjax.engine.engine import CHUNK_TARGET_S, MAX_ROUNDS, next_rounds
+
+    rounds = 1
+    for _ in range(10):  # 1 ms a round: doubles to the cap
+        rounds = next_rounds(rounds, rounds, rounds * 1e-3)
+    assert rounds == MAX_ROUNDS
+    assert next_rounds(8, 8, 2 * CHUNK_TARGET_S) == 8  # between the target and 4x it: kept
+    assert next_rounds(8, 3, 5 * CHUNK_TARGET_S) == 8  # a chunk cut short (a row finished): no verdict on rounds
+    rounds = MAX_ROUNDS
+    while next_rounds(rounds, rounds, rounds * 0.03) != rounds:  # the load rose: 30 ms a round
+        rounds = next_rounds(rounds, rounds, rounds * 0.03)
+    assert rounds * 0.03 <= 4 * CHUNK_TARGET_S and rounds == 4

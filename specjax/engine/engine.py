@@ -56,7 +56,7 @@ from specjax.planning.scheduler_cost import scheduler_cost
 
 AUTO_CHAINS = (1, 2, 4)  # the chains "auto" chooses among, besides off
 STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count of the slots' settings
-CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS
+CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS; halve past 4x it
 MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
 WARMUP_TIMINGS = 3  # timed warmup chunks per (occupancy bucket, shape), each on fresh dummy rows
@@ -834,8 +834,7 @@ class Engine:
         self._last_step = int(step)
         if rounds > 0:
             self.policy.record(nb, live, label, rounds, tokens, now - since, clean)
-            if now - since < CHUNK_TARGET_S:
-                self._rounds = min(2 * self._rounds, MAX_ROUNDS)
+            self._rounds = next_rounds(self._rounds, rounds, now - since)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
         self.policy.learn(label, stats.verified_rank_DR - self._last_counts[0],
                           int(stats.row_rounds) - int(self._last_counts[1]))
@@ -1202,6 +1201,17 @@ def _free_bytes() -> float | None:
     except OSError:
         return None
     return None
+
+
+def next_rounds(rounds: int, ran: int, seconds: float) -> int:
+    """The next chunk's rounds after one that ran `ran` of `rounds` in `seconds`: doubled (up to MAX_ROUNDS) while
+    chunks take under CHUNK_TARGET_S, halved when a whole chunk took over 4x that (more rows or a dearer shape made
+    rounds slower; a chunk bounds how long an arrival waits for its slot and a stream for its next tokens)."""
+    if seconds < CHUNK_TARGET_S:
+        return min(2 * rounds, MAX_ROUNDS)
+    if seconds > 4 * CHUNK_TARGET_S and ran >= rounds:
+        return max(1, rounds // 2)
+    return rounds
 
 
 def _buckets(low: int, high: int) -> list[int]:
