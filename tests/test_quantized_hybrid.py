@@ -18,7 +18,8 @@ from hf_tiny import build_hf_model, build_qwen35, save_hf_model
 
 import specjax
 from specjax.config import LinearAttnConfig
-from specjax.convert.qwen35 import split_columns, split_fused, split_gated_q, split_qkvz
+from specjax.convert.quantized import split_columns
+from specjax.convert.qwen35 import split_fused, split_gated_q, split_qkvz
 from specjax.drafters import DraftModelDrafter, MtpDrafter
 from specjax.quant.qarray import QuantizedWeight
 
