@@ -11,10 +11,13 @@ names (`re:` patterns included) must be stored plain.
       [O, 1], per tensor, per group [O, I / g] or per block, optional `weight_zero_point`; "pack-quantized":
       `weight_packed` int32 [O, I * bits / 32] (a little-endian bit stream along the input, values offset by
       2^(bits-1)), `weight_shape`, `weight_scale`, optional packed `weight_zero_point` and `weight_g_idx`.
-    fused MoE experts (block FP8 only; transformers' FP8Experts, transformers/integrations/finegrained_fp8.py): per
+  fused MoE experts (block FP8 only; transformers' FP8Experts, transformers/integrations/finegrained_fp8.py): per
       layer `mlp.experts.gate_up_proj` F8_E4M3 [E, 2I, D] (gate rows, then up) and `mlp.experts.down_proj`
       [E, D, I], each [E, out, in], with `<name>_scale_inv` [E, ceil(out / bo), ceil(in / bi)] beside it (its
-      Fp8Quantize names a non-`.weight` tensor's scale `<name>_scale_inv`; FP8Experts allocates the scales so).
+      Fp8Quantize names a non-`.weight` tensor's scale `<name>_scale_inv`; FP8Experts allocates the scales so, and
+      its _apply_gate takes the first I outputs as the gate). vLLM's Qwen3.5 MTP loader (vllm-project/vllm
+      vllm/model_executor/models/qwen3_5_mtp.py load_weights) read the same names: gate_up_proj split in two along
+      its rows (gate, then up), the `_scale_inv` beside it mapped onto their w13_weight_scale_inv.
   AWQ (GEMM): `qweight` / `qzeros` int32 packed along the output in the nibble order 0, 2, 4, 6, 1, 3, 5, 7 and
       `scales` [I / g, O]: w = (q - z) * s.
   GPTQ: `qweight` int32 [I / 8, O] packed along the input, `qzeros` packed along the output (v1 stores zero - 1,
