@@ -22,6 +22,8 @@ from tests.hf_tiny import save_hf_model
 # linear_attn projections; norms, convs, routers, embeddings and the lm_head stay plain.
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert|mlp\.experts\.\d+|linear_attn)\."
                     r"\w*proj\w*\.weight")
+# Fused expert tensors [E, out, in] (Qwen3.5-MoE's published form; transformers' FP8Experts holds them quantized)
+LINEAR_OR_FUSED = re.compile(rf"{LINEAR.pattern}|model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj")
 
 
 def rewrite(path: Path, quantize, quantization_config: dict, skip=lambda name: False, linear=LINEAR) -> Path:
@@ -45,6 +47,16 @@ def write_block_fp8(model, path: Path, block=(32, 32), scale_dtype=torch.float32
     `scale_dtype` (f32: DeepSeek-V3; bf16: Qwen3 FP8)."""
     save_hf_model(model, path, torch.bfloat16)
     return fp8_in_place(path, block, scale_dtype, skip)
+
+
+def write_fused_fp8(model, path: Path, block=(16, 16)) -> Path:
+    """An MoE saved with fused expert tensors (tests/hf_tiny.py save_fused_experts: mlp.experts.gate_up_proj
+    [E, 2I, D], down_proj [E, D, I]) in block FP8 by transformers' own `Fp8Quantize`, which names a fused tensor's
+    scales `<name>_scale_inv` [E, out / bo, in / bi] (its `_quantize_one`), the layout its FP8Experts loads."""
+    from hf_tiny import save_fused_experts
+
+    save_fused_experts(save_hf_model(model, path, torch.bfloat16))
+    return fp8_in_place(path, block, linear=LINEAR_OR_FUSED)
 
 
 def fp8_copy(src: Path, dst: Path, block=(32, 32), drop=lambda name: False, linear=LINEAR) -> Path:

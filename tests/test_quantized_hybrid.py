@@ -2,7 +2,7 @@
 linear_attn's projections, the gated attention (q_proj split per head into wq and wg with whole scale blocks) and
 the MLPs quantized on the device, equals transformers' logits and the exact mode's greedy output, and speculation
 on it is lossless: a draft model, and the bf16 base checkpoint's MTP layer loaded onto the FP8 copy that dropped
-it (`load_drafter(base_dir, target)`)."""
+it (`load_drafter(base_dir, target)`) or on the FP8 copy's own MTP layer, kept quantized."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from hf_tiny import build_hf_model, build_qwen35, save_hf_model
 
 import specjax
 from specjax.config import LinearAttnConfig
-from specjax.convert.qwen35 import split_columns, split_fused, split_gated_q, split_qkvz
+from specjax.convert.quantized import split_columns
+from specjax.convert.qwen35 import split_fused, split_gated_q, split_qkvz
 from specjax.drafters import DraftModelDrafter, MtpDrafter
 from specjax.quant.qarray import QuantizedWeight
 
@@ -99,8 +100,9 @@ def test_greedy_equals_the_exact_mode_and_draft_model_speculation_is_lossless(fp
 @pytest.mark.parametrize("mtp", ["dropped", "quantized"])
 def test_mtp_on_an_fp8_copy_of_the_base(tmp_path, mtp):
     """FP8 releases often drop `mtp.*`: load_drafter(base_dir, fp8_target) reads the bf16 base's MTP layer onto
-    the quantized target. Others keep it quantized too (its block's linears and fc in FP8): read, dequantized at
-    load. Either way greedy MTP speculation equals plain decoding."""
+    the quantized target. Others keep it quantized too (its block's linears and fc in FP8): those stay quantized on
+    the device as the target's layers do (the exact mode dequantizes them). Either way greedy MTP speculation
+    equals plain decoding."""
     import re
 
     from hf_quant import LINEAR
@@ -120,9 +122,18 @@ def test_mtp_on_an_fp8_copy_of_the_base(tmp_path, mtp):
 
         with safe_open(fp8 / "model.safetensors", "np") as f:
             assert {"mtp.fc.weight_scale_inv", "mtp.layers.0.self_attn.q_proj.weight_scale_inv"} <= set(f.keys())
+        # kept quantized as the target's layers are: the fc and the block's linears (q_proj split into wq / wg)
+        block = target.mtp["layers"]["0"]["block"]
+        for w in (target.mtp["fc"], block["wq"], block["wg"], block["wk"], block["w_down"]):
+            assert isinstance(w, QuantizedWeight) and w.q.dtype == ml_dtypes.float8_e4m3fn
         base_fc = specjax.load(MTP_BASE, dtype="float32").mtp["fc"]
-        assert np.abs(np.asarray(target.mtp["fc"]) - np.asarray(base_fc)).max() <= 2 ** -3 * np.abs(base_fc).max()
+        fc = np.asarray(target.mtp["fc"].dequantize(np.float32))
+        assert np.abs(fc - np.asarray(base_fc)).max() <= 2 ** -3 * np.abs(base_fc).max()
+        exact = specjax.load(fp8, dtype="float32", dequantize=True)  # the exact mode: dequantized with the target
+        np.testing.assert_array_equal(np.asarray(exact.mtp["fc"]), fc)
         drafter = specjax.load_drafter(fp8, target)
+        fc = drafter.params["layers"][0]["fc"]  # on the device still FP8
+        assert isinstance(fc, QuantizedWeight) and isinstance(fc.q, jax.Array) and fc.q.dtype == ml_dtypes.float8_e4m3fn
     assert isinstance(drafter, MtpDrafter)
     want = specjax.generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[])
     out = specjax.generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[], drafter=drafter,

@@ -31,7 +31,7 @@ from specjax.config import ModelConfig
 from specjax.convert.hf_files import NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
 from specjax.convert.lazy import LazyTensors, stack
 from specjax.convert.mtp import read_mtp
-from specjax.convert.quantized import QuantScheme, read_linear, read_scheme, uniform_layers
+from specjax.convert.quantized import LAYER_LINEARS, QuantScheme, read_scheme, read_weight, swap_last, uniform_layers
 from specjax.convert.qwen35 import VISION_PREFIX, take_hybrid_params, text_prefix
 from specjax.models.model import param_shapes
 
@@ -46,14 +46,9 @@ _HARMLESS = (
 # Recognised here, read by convert/mtp.py.
 _MTP_MODULES = re.compile(r"\.(enorm|hnorm|eh_proj|shared_head)\.")
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-# The dense decoder layer's linear weights: the ones that may stay quantized (models/decoder.py multiplies them
-# with `x @ w`); which of them are quantized is read from the tensors themselves.
-# linears kept quantized when stored so (others are dequantized at load): attention (Qwen3.5's gated q_proj is
-# split per head, convert/qwen35.py), dense MLP, an MoE's experts (one module each) and shared expert, a hybrid's
-# linear_attn projections (Qwen3.5's in_proj_qkv / _z / _b / _a and out_proj, Qwen3-Next's fused in_proj_qkvz / _ba)
-_KEPT_QUANTIZED = re.compile(r"model\.(language_model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|"
-                             r"linear_attn\.(in_proj_\w+|out_proj)|"
-                             r"mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)\.weight")
+# The decoder layers' linears kept quantized when stored so (convert/quantized.py LAYER_LINEARS); which of them are
+# quantized is read from the tensors themselves.
+_KEPT_QUANTIZED = re.compile(rf"model\.(language_model\.)?layers\.\d+\.{LAYER_LINEARS}")
 _SHOWN_NAMES = 8  # an error lists at most this many tensor names
 logger = logging.getLogger("specjax")
 
@@ -86,33 +81,35 @@ def take_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, scheme: QuantS
 
     With a quantization `scheme` (convert/quantized.py), a decoder layer's attention, dense-MLP, expert, shared-
     expert or linear_attn linear stored quantized stays a QuantizedWeight (its [in, out] values and scales; experts
-    stacked [E, ...]; a per-head split keeps whole scale blocks, convert/qwen35.py); any other quantized weight
-    (the lm_head, the embedding, an MTP layer's) is dequantized to the config's dtype here.
+    stacked [E, ...], or read so from fused [E, ...] tensors; a per-head or gate / up split keeps whole scale
+    blocks, convert/qwen35.py, convert/moe.py); any other quantized weight (the lm_head, the embedding, a router)
+    is dequantized to the config's dtype here. MTP layers: convert/mtp.py, by the same rule.
     """
     dtype = NP_DTYPES[cfg.dtype]
     shapes = param_shapes(cfg)
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
-        if scheme is not None and name.endswith(".weight"):
-            qw, names = read_linear(tensors, name[: -len(".weight")], scheme, cfg.dtype)
+        # transpose: the stored [..., out, in] read as [..., in, out] (`shape`), per expert for [E, ...] tensors
+        if scheme is not None:
+            qw, names = read_weight(tensors, name, scheme, cfg.dtype)
             if qw is not None:
-                want = shape if transpose else shape[::-1]  # [in, out]
+                want = shape if transpose else swap_last(shape)  # [in, out]
                 if qw.shape != tuple(want):
-                    raise ValueError(f"quantized weight '{name}' has shape {list(qw.shape[::-1])}; the config "
-                                     f"implies {list(want[::-1])}")
+                    raise ValueError(f"quantized weight '{name}' has shape {list(swap_last(qw.shape))}; the config "
+                                     f"implies {list(swap_last(want))}")
                 used.update(names)
                 if transpose and _KEPT_QUANTIZED.fullmatch(name):
                     return qw
                 w = qw.dequantize(dtype)
-                return w if transpose else w.T
+                return w if transpose else swap_last(w)
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor '{name}' (expected by the config, shape {shape})")
-        t = tensors[name].T if transpose else tensors[name]
+        t = swap_last(tensors[name]) if transpose else tensors[name]
         if t.shape != shape:
             stored = tensors[name].shape
             raise ValueError(f"tensor '{name}' has shape {stored}; the config implies "
-                             f"{shape[::-1] if transpose else shape}")
+                             f"{swap_last(shape) if transpose else shape}")
         used.add(name)
         return t.astype(dtype)
 

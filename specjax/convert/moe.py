@@ -7,6 +7,8 @@ Inside a layer (`{prefix}` = "model.layers.{i}." or an MTP block's prefix), torc
         mlp.experts.{j}.gate_proj.weight / up_proj.weight [I, D], down_proj.weight [D, I]
       fused (Qwen3.5-MoE; transformers 5's in-memory layout):
         mlp.experts.gate_up_proj [E, 2I, D] (gate rows first, then up), mlp.experts.down_proj [E, D, I]
+        (in block FP8: F8_E4M3 values plus `<name>_scale_inv` [E, ceil(out / bo), ceil(in / bi)], as transformers'
+        FP8Experts holds them: convert/quantized.read_fused_experts)
     with a shared expert (Qwen3.5-MoE, Qwen3-Next):
         mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, D]
 specjax keeps router [D, E], w_gate / w_up [E, D, I], w_down [E, I, D], shared_* [in, out].
@@ -20,9 +22,12 @@ import jax
 import numpy as np
 
 from specjax.convert.lazy import stack
-from specjax.convert.quantized import uniform_weights
+from specjax.convert.quantized import split_columns, uniform_weights
+from specjax.quant.qarray import is_quantized
 
-Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected specjax shape, transpose) -> array
+# (name, expected specjax shape, transpose: the stored [..., out, in] read as [..., in, out]) -> array, or a
+# QuantizedWeight [..., in, out] where the tensor is stored quantized
+Take = Callable[[str, tuple[int, ...], bool], np.ndarray]
 
 ROUTER = "mlp.gate.weight"
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
@@ -44,9 +49,15 @@ def take_moe(take: Take, tensors: dict, prefix: str, shapes: dict) -> dict:
     e, d, i = shapes["w_gate"]
     moe = {"router": take(prefix + ROUTER, shapes["router"], True)}
     if is_fused(tensors, prefix):
-        gate_up = take(prefix + FUSED_GATE_UP, (e, 2 * i, d), False).transpose(0, 2, 1)
-        moe["w_gate"], moe["w_up"] = gate_up[..., :i], gate_up[..., i:]
-        moe["w_down"] = take(prefix + FUSED_DOWN, (e, d, i), False).transpose(0, 2, 1)
+        # [E, D, 2I] (each expert's [2I, D] transposed); quantized ones ([E, ...] QuantizedWeights) split with their
+        # scale blocks (a block straddling gate and up, I not a multiple of the block: dequantized, logged)
+        gate_up = take(prefix + FUSED_GATE_UP, (e, d, 2 * i), True)
+        if is_quantized(gate_up):
+            moe["w_gate"], moe["w_up"] = split_columns(gate_up, lambda w_OD: (w_OD[:i].T, w_OD[i:].T),
+                                                       prefix + FUSED_GATE_UP)
+        else:
+            moe["w_gate"], moe["w_up"] = gate_up[..., :i], gate_up[..., i:]
+        moe["w_down"] = take(prefix + FUSED_DOWN, (e, i, d), True)
     else:
         for key, proj in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
             experts = [take(prefix + expert_name(j, proj), shapes[key][1:], True) for j in range(e)]

@@ -24,8 +24,10 @@ Three layouts (torch [out, in] weights; H = the target's hidden size, V its voca
   the same prefix (vllm/model_executor/models/mimo_mtp.py maps them to its mtp_block).
   config.json: num_nextn_predict_layers.
 
-A quantized checkpoint's MTP linears (FP8 releases that keep `mtp.*` quantize them too) are dequantized to the
-target's dtype here, as the format defines them (convert/quantized.py); the MTP drafter runs plain weights.
+A quantized checkpoint's MTP linears (FP8 releases that keep `mtp.*` quantize them too) stay quantized as the
+target's layers' do (convert/quantized.py: the fc and the block's LAYER_LINEARS become QuantizedWeights, whose
+matmuls dequantize inside the drafter's trace); any other quantized MTP tensor is dequantized to the target's dtype
+here. `specjax.load(..., dequantize=True)` (the exact mode) and `specjax.convert` dequantize them with the target.
 specjax's MTP block is a full-attention decoder layer of the target's family, so every block tensor
 must have the shape of one of the target's layers; on an MoE target a block with a router
 (`mlp.gate.weight`) has the target's experts (convert/moe.py; Qwen3.5-MoE: fused, 19 tensors per
@@ -50,7 +52,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS, NP_DTYPES, read_hf_config, read_tensors, safetensors_files, take_layer
 from specjax.convert.moe import ROUTER, moe_hf_tensors
-from specjax.convert.quantized import QuantScheme, read_linear, read_scheme
+from specjax.convert.quantized import LAYER_LINEARS, QuantScheme, read_scheme, read_weight, swap_last
 from specjax.convert.qwen35 import GATED_Q, join_gated_q, take_attention_layer
 from specjax.drafters.mtp import layer_shapes
 
@@ -94,29 +96,33 @@ class _Reader:
         self.tensors, self.cfg, self.used, self.scheme = tensors, cfg, set(), scheme
         self.dtype = _np_dtype(cfg)
 
-    def take(self, name: str, shape: tuple[int, ...], transpose: bool, why: str) -> np.ndarray:
-        stored_shape = shape[::-1] if transpose else shape
-        if self.scheme is not None and name.endswith(".weight"):  # a quantized MTP linear: dequantized here
-            qw, names = read_linear(self.tensors, name[: -len(".weight")], self.scheme, self.cfg.dtype)
+    def take(self, name: str, shape: tuple[int, ...], transpose: bool, why: str, keep: bool = False) -> np.ndarray:
+        """The tensor `name` as `shape` (transpose: stored [..., out, in], read [..., in, out]); stored quantized, a
+        QuantizedWeight when `keep` (a linear the target keeps quantized too), else dequantized to the dtype."""
+        stored_shape = swap_last(shape) if transpose else shape
+        if self.scheme is not None:
+            qw, names = read_weight(self.tensors, name, self.scheme, self.cfg.dtype)
             if qw is not None:
-                if qw.shape[::-1] != stored_shape:
-                    raise ValueError(f"quantized MTP weight '{name}' has shape {list(qw.shape[::-1])} but {why} "
+                if swap_last(qw.shape) != stored_shape:
+                    raise ValueError(f"quantized MTP weight '{name}' has shape {list(swap_last(qw.shape))} but {why} "
                                      f"implies {list(stored_shape)}")
                 self.used.update(names)
+                if keep and transpose:
+                    return qw
                 w = np.asarray(qw.dequantize(self.dtype))
-                return w if transpose else w.T
+                return w if transpose else swap_last(w)
         if name not in self.tensors:
             raise ValueError(f"checkpoint lacks MTP tensor '{name}' (shape {stored_shape}, {why})")
         t = self.tensors[name]
         if t.shape != stored_shape:
             raise ValueError(f"MTP tensor '{name}' has shape {tuple(t.shape)} but {why} implies {stored_shape}")
         self.used.add(name)
-        return np.asarray(t.T if transpose else t).astype(self.dtype)
+        return np.asarray(swap_last(t) if transpose else t).astype(self.dtype)
 
     def fuse(self, names: dict[str, str]) -> dict[str, np.ndarray]:
         h = self.cfg.hidden_size
         why = {"fc": f"the target's hidden_size {h} (an MTP projection maps 2 x {h} -> {h})"}
-        return {k: self.take(names[k], s, k == "fc", why.get(k, f"the target's hidden_size {h}"))
+        return {k: self.take(names[k], s, k == "fc", why.get(k, f"the target's hidden_size {h}"), keep=k == "fc")
                 for k, s in fuse_shapes(self.cfg).items()}
 
     def block(self, prefix: str) -> dict[str, np.ndarray]:
@@ -131,8 +137,8 @@ class _Reader:
             why = f"the target's MoE ({c.moe.num_experts} experts of {c.moe.expert_size}, shared {c.moe.shared_size})"
         shapes = block_shapes(c, sparse)
 
-        def take(name, shape, tr):
-            return self.take(name, shape, tr, why)
+        def take(name, shape, tr):  # the block's linears kept quantized as the target's layers' are
+            return self.take(name, shape, tr, why, keep=re.fullmatch(LAYER_LINEARS, name[len(prefix):]) is not None)
 
         if c.attn_output_gate:  # Qwen3.5: the gated attention layer's q_proj is split into wq and wg
             return take_attention_layer(take, prefix, shapes, c, self.tensors)

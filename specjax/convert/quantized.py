@@ -11,6 +11,13 @@ names (`re:` patterns included) must be stored plain.
       [O, 1], per tensor, per group [O, I / g] or per block, optional `weight_zero_point`; "pack-quantized":
       `weight_packed` int32 [O, I * bits / 32] (a little-endian bit stream along the input, values offset by
       2^(bits-1)), `weight_shape`, `weight_scale`, optional packed `weight_zero_point` and `weight_g_idx`.
+  fused MoE experts (block FP8 only; transformers' FP8Experts, transformers/integrations/finegrained_fp8.py): per
+      layer `mlp.experts.gate_up_proj` F8_E4M3 [E, 2I, D] (gate rows, then up) and `mlp.experts.down_proj`
+      [E, D, I], each [E, out, in], with `<name>_scale_inv` [E, ceil(out / bo), ceil(in / bi)] beside it (its
+      Fp8Quantize names a non-`.weight` tensor's scale `<name>_scale_inv`; FP8Experts allocates the scales so, and
+      its _apply_gate takes the first I outputs as the gate). vLLM's Qwen3.5 MTP loader (vllm-project/vllm
+      vllm/model_executor/models/qwen3_5_mtp.py load_weights) read the same names: gate_up_proj split in two along
+      its rows (gate, then up), the `_scale_inv` beside it mapped onto their w13_weight_scale_inv.
   AWQ (GEMM): `qweight` / `qzeros` int32 packed along the output in the nibble order 0, 2, 4, 6, 1, 3, 5, 7 and
       `scales` [I / g, O]: w = (q - z) * s.
   GPTQ: `qweight` int32 [I / 8, O] packed along the input, `qzeros` packed along the output (v1 stores zero - 1,
@@ -24,13 +31,15 @@ Everything is read into `QuantizedWeight` (quant/qarray.py) in specjax's [in, ou
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
-from specjax.quant.qarray import QuantizedWeight
+from specjax.quant.qarray import QuantizedWeight, is_quantized, take_columns
 
 SUPPORTED = ("fp8", "compressed-tensors", "awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output column AWQ_ORDER[k] of its 8
@@ -38,6 +47,15 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds output col
 SUFFIXES = ("weight", "weight_scale_inv", "weight_scale", "weight_zero_point", "weight_packed", "weight_shape",
             "weight_g_idx", "input_scale", "qweight", "qzeros", "scales", "g_idx")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+# A decoder layer's linears that stay quantized when stored so (models/decoder.py and models/moe.py multiply them
+# with `x @ w`), named inside the layer: attention (Qwen3.5's gated q_proj is split per head, convert/qwen35.py),
+# dense MLP, an MoE's experts (one module each, or fused [E, ...] tensors) and shared expert, a hybrid's linear_attn
+# projections (Qwen3.5's in_proj_qkv / _z / _b / _a and out_proj, Qwen3-Next's fused in_proj_qkvz / _ba). Any other
+# quantized weight (the lm_head, the embedding, a router) is dequantized at load.
+LAYER_LINEARS = (r"(?:(?:self_attn\.[qkvo]_proj|linear_attn\.(?:in_proj_\w+|out_proj)|"
+                 r"mlp\.(?:experts\.\d+\.|shared_expert\.)?(?:gate|up|down)_proj)\.weight|"
+                 r"mlp\.experts\.(?:gate_up|down)_proj)")
+logger = logging.getLogger("specjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +133,81 @@ def read_scheme(hf_cfg: dict) -> QuantScheme | None:
     return QuantScheme(method, tuple(ignore), qc)
 
 
+def swap_last(x):
+    """torch's [..., out, in] <-> specjax's [..., in, out]: the last two axes swapped (a shape tuple's too); a
+    matrix's transpose, an [E, ...] expert tensor's per expert."""
+    if isinstance(x, tuple):
+        return x[:-2] + x[-2:][::-1]
+    return x if x.ndim < 2 else x.transpose(*range(x.ndim - 2), x.ndim - 1, x.ndim - 2)
+
+
+def read_weight(tensors, name: str, scheme: QuantScheme, compute_dtype: str) -> tuple[QuantizedWeight | None, list]:
+    """The stored weight `name` read quantized ([..., in, out]) with the tensor names it used, or (None, []) when it is
+    stored plain: a linear's `<module>.weight` (read_linear) or a fused expert tensor (read_fused_experts)."""
+    if name.endswith(".weight"):
+        return read_linear(tensors, name[: -len(".weight")], scheme, compute_dtype)
+    return read_fused_experts(tensors, name, scheme, compute_dtype)
+
+
+def read_fused_experts(tensors, name: str, scheme: QuantScheme, compute_dtype: str
+                       ) -> tuple[QuantizedWeight | None, list]:
+    """A fused expert tensor `name` [E, out, in] in block FP8 (module docstring) as a QuantizedWeight [E, in, out],
+    scales [E, ceil(in / bi), ceil(out / bo)]; (None, []) when it is stored plain without a scale. Decided by the
+    tensor's dtype and the `<name>_scale_inv` beside it."""
+    scale_name = f"{name}_scale_inv"
+    if name not in tensors:
+        return None, []
+    values = tensors[name]
+    quantized = np.dtype(values.dtype) in (FP8, np.dtype(np.int8))
+    if not quantized and scale_name not in tensors:
+        return None, []
+    if not quantized:
+        raise ValueError(f"tensor '{name}' is stored as {np.dtype(values.dtype).name} yet has '{scale_name}' beside "
+                         "it: specjax expects F8_E4M3 values with a block scale")
+    if scale_name not in tensors:
+        raise ValueError(f"tensor '{name}' is stored as {np.dtype(values.dtype).name} but has no '{scale_name}' "
+                         "beside it: the checkpoint is incomplete (fused experts are read in block FP8: values "
+                         "plus <name>_scale_inv)")
+    if scheme.method != "fp8" or np.dtype(values.dtype) != FP8:
+        raise ValueError(f"tensor '{name}' is a fused expert tensor quantized as {np.dtype(values.dtype).name} under "
+                         f"quant_method {scheme.method!r}; specjax reads fused experts in block FP8 (quant_method "
+                         "'fp8', F8_E4M3 values) only, and other formats one module per expert")
+    if values.ndim != 3:
+        raise ValueError(f"tensor '{name}' is quantized with shape {list(values.shape)}; fused experts are [experts, "
+                         "out, in]")
+    e, o, i = values.shape
+    bo, bi = scheme.config.get("weight_block_size") or (o, i)
+    scale = np.asarray(tensors[scale_name])
+    check_shape(scale_name, scale, (e, math.ceil(o / bo), math.ceil(i / bi)),
+                f"{e} fused experts of [{o}, {i}] (out, in) in blocks of [{bo}, {bi}]")
+    module = name.rsplit(".", 1)[0]
+    if scheme.ignored(module):
+        raise ValueError(f"'{module}' is stored quantized but config.json's ignore / modules_to_not_convert lists "
+                         "it: the config and the checkpoint disagree")
+    qw = QuantizedWeight(swap_last(np.asarray(values)), swap_last(scale), block=(bi, bo), fmt=f"fp8 block [{bo}, {bi}]",
+                         compute_dtype=compute_dtype)
+    return qw, [name, scale_name]
+
+
+def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray], tuple], name: str) -> tuple:
+    """`split` (a split of an [O, D] weight into [D, n] parts by output rows, e.g. convert/qwen35.split_gated_q's per
+    head) applied to `w` [..., D, O] kept quantized: each part's columns taken with their scales
+    (quant/qarray.take_columns), found by splitting the column indices themselves. A part whose columns cut a scale
+    block is dequantized to the weight's compute dtype (logged, naming the tensor); a plain `w` is split as it is."""
+    if not is_quantized(w):
+        return tuple(split(np.asarray(w).T))
+    parts = []
+    for part in split(np.arange(w.shape[-1])[:, None]):
+        kept = take_columns(w, part[0])
+        if kept is None:
+            logger.warning("'%s' (%s): splitting it cuts a scale block of %d output columns (a part of %d columns "
+                           "starts or ends inside one), so that part is dequantized at load", name, w.fmt,
+                           w.block[1], len(part[0]))
+            kept = np.asarray(w.dequantize())[..., part[0]]
+        parts.append(kept)
+    return tuple(parts)
+
+
 def read_linear(tensors, module: str, scheme: QuantScheme, compute_dtype: str) -> tuple[QuantizedWeight | None, list]:
     """(the linear `module` as a QuantizedWeight [I, O], the tensor names it used), or (None, []) when its weight
     is stored plain. Shapes are checked against each other; the caller checks [I, O] against the config."""
@@ -122,8 +215,8 @@ def read_linear(tensors, module: str, scheme: QuantScheme, compute_dtype: str) -
     weight = got.get("weight")
     if weight is not None and weight.ndim != 2 and len(got) > 1:
         raise ValueError(f"tensor '{module}.weight' is quantized with {weight.ndim} dimensions {list(weight.shape)}: "
-                         "specjax reads quantized linear weights [out, in] (experts stored one per module); fused "
-                         "quantized expert tensors are not read yet")
+                         "specjax reads quantized linear weights [out, in], and fused experts as "
+                         "mlp.experts.gate_up_proj / down_proj with <name>_scale_inv (block FP8)")
     if "qweight" in got:
         if scheme.method not in ("awq", "gptq"):
             raise ValueError(f"tensor '{module}.qweight' is AWQ/GPTQ-packed but config.json declares "

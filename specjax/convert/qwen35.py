@@ -11,7 +11,6 @@ projections per key head (`split_qkvz`). A sparse layer's MLP is read by convert
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import numpy as np
@@ -20,8 +19,9 @@ from specjax.config import LinearAttnConfig, ModelConfig
 from specjax.convert.hf_files import LAYER_KEYS
 from specjax.convert.lazy import deferred_parts
 from specjax.convert.moe import moe_hf_tensors, take_moe
+from specjax.convert.quantized import split_columns
 from specjax.models.model import param_shapes
-from specjax.quant.qarray import QuantizedWeight, is_quantized, take_columns
+from specjax.quant.qarray import is_quantized
 
 PREFIXES = ("model.", "model.language_model.")
 VISION_PREFIX = "model.visual."
@@ -49,7 +49,6 @@ CONV = "linear_attn.conv1d.weight"
 QKVZ, BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
 FUSED_KEYS = ("w_qkv", "w_z", "w_b", "w_a")
 
-logger = logging.getLogger("specjax")
 Take = Callable[[str, tuple[int, ...], bool], np.ndarray]  # (name, expected shape, transpose) -> array
 
 
@@ -90,22 +89,6 @@ def join_qkvz(layer: dict, lin: LinearAttnConfig) -> tuple[np.ndarray, np.ndarra
     group = [x.reshape(hk, -1, d) for x in (q, k, v, np.asarray(layer["w_z"]).T)]
     ba = [np.asarray(layer[key]).T.reshape(hk, -1, d) for key in ("w_b", "w_a")]
     return np.concatenate(group, axis=1).reshape(-1, d), np.concatenate(ba, axis=1).reshape(-1, d)
-
-
-def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray], tuple], name: str) -> tuple:
-    """`split` (a per-head split of an [O, D] weight into [D, n] parts, e.g. split_gated_q) applied to `w` [D, O]
-    kept quantized: each part's columns taken with their scales (quant/qarray.take_columns), found by splitting the
-    column indices themselves. A part whose columns cut a scale block is dequantized (logged, naming the tensor)."""
-    if not is_quantized(w):
-        return tuple(split(np.asarray(w).T))
-    parts = []
-    for part in split(np.arange(w.shape[-1])[:, None]):
-        kept = take_columns(w, part[0])
-        if kept is None:
-            logger.info("'%s' (%s): a per-head split cuts its scale blocks; dequantized at load", name, w.fmt)
-            kept = np.asarray(w.dequantize())[:, part[0]]
-        parts.append(kept)
-    return tuple(parts)
 
 
 def split_fused(qkvz_DO, ba_DO, lin: LinearAttnConfig, prefix: str = "") -> tuple:

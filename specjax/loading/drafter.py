@@ -38,6 +38,7 @@ from specjax.models.decoder import has_layer_list
 from specjax.models.target import Target
 from specjax.models.sharding import abstract, param_shardings, place, replicated
 from specjax.multihost import to_host
+from specjax.quant.qarray import is_quantized
 
 
 def drafter_family(path: str | Path) -> str:
@@ -305,7 +306,9 @@ def mtp_drafter(target, *, attn_impl: str | None = None, stored: dict | None = N
     check_stored(stored, target.cfg)
     mesh = target_mesh(target)
     cast = np.asarray if mesh is not None else jnp.asarray  # on a mesh, placed below slice by slice
-    stored = jax.tree.map(lambda x: cast(x, jnp.dtype(target.cfg.dtype)), stored)
+    # plain weights in the target's dtype; a quantized one (an FP8 checkpoint's MTP linears) keeps its parts' dtypes
+    stored = jax.tree.map(lambda x: jax.tree.map(cast, x) if is_quantized(x) else cast(x, jnp.dtype(target.cfg.dtype)),
+                          stored, is_leaf=is_quantized)
     cfg = mtp_config(target.cfg, stored)
     params = mtp_family.drafter_params(stored, target.params, target.cfg)
     if mesh is not None:  # the MTP blocks are target layers: split by the same rules as the target's

@@ -180,7 +180,7 @@ def checkpoint_draft(path: str | Path) -> Draft:
 def weight_bytes(cfg: ModelConfig, shards, scheme: QuantScheme | None = None) -> float:
     """One device's target weights in bytes: every parameter in the model dtype, except, for a quantized
     checkpoint, the linears specjax keeps quantized (convert/hf.py: attention (Qwen3.5's gated q_proj too), dense
-    MLPs, a hybrid's linear_attn projections, routed experts stored one module each and the shared expert; those
+    MLPs, a hybrid's linear_attn projections, routed experts (one module each or fused) and the shared expert; those
     the config's ignore list names stay plain) at `bytes_per_weight`; the embedding and lm_head count at the
     model dtype."""
     width = DTYPE_BYTES[str(cfg.dtype)]
