@@ -118,6 +118,11 @@ def kernel_calls(fn, *args) -> int:
     return pallas_calls(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr).count("block_fp8_matmul")
 
 
+on_cpu = pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU's path (a GPU takes the kernel)")
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the compiled kernel: needs a GPU")
+
+
+@on_cpu
 def test_quantized_weight_takes_the_kernel_only_when_traced_for_a_gpu(caplog):
     w = fp8_weight(256, 192)
     x = jnp.ones((3, 256), jnp.bfloat16)
@@ -139,6 +144,7 @@ def test_quantized_weight_takes_the_kernel_only_when_traced_for_a_gpu(caplog):
         assert "block-FP8 matmul: using the XLA reference" in caplog.text and "256 x 1" in caplog.text
 
 
+@on_cpu
 def test_a_block_fp8_decoder_runs_every_linear_through_the_kernel_on_a_gpu():
     """The stacked decoder's forward traced for a GPU: each of a layer's 7 linears (the scan body, once) is the
     kernel; the embedding and lm_head stay plain."""
@@ -154,3 +160,15 @@ def test_a_block_fp8_decoder_runs_every_linear_through_the_kernel_on_a_gpu():
     assert kernel_calls(fn, params) == 0
     with targeting_gpu():
         assert kernel_calls(fn, params) == 7
+
+
+@on_gpu
+@pytest.mark.parametrize("x_shape,k,n,x_dtype,scale_dtype,splits", CASES + [((8, 4096), 4096, 14336, jnp.bfloat16,
+                                                                              jnp.float32, None)])
+def test_the_compiled_kernel_on_a_gpu(x_shape, k, n, x_dtype, scale_dtype, splits):
+    """scripts/gpu_checks.sh quant: the Triton kernel itself (not the interpreter), directly and as `x @ w`."""
+    w = fp8_weight(k, n, scale_dtype)
+    x = jax.random.normal(jax.random.key(1), x_shape).astype(x_dtype)
+    check_against_references(block_fp8_matmul(x, w.q, w.scale, block=w.block, num_splits=splits), x, w)
+    assert kernel_calls(lambda x, w: x @ w, x, w) == 1
+    check_against_references(jax.jit(lambda x, w: x @ w)(x, w), x, w)
