@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .tree_attention import DEFAULT_NUM_SMS, MIN_DOT_DIM, SHARED_MEMORY_BYTES, _is_pow2, _next_pow2
+from .tree_attention import DEFAULT_NUM_SMS, MIN_DOT_DIM, _is_pow2, _next_pow2
 
 MAX_BLOCK_M = 64  # rows per program; more rows -> more M blocks (each re-reads its weight tiles, from L2 mostly)
 MAX_BLOCK_K = 128  # K rows per step (the usual FP8 scale block: one scale per step)
@@ -68,30 +68,19 @@ class Fp8MatmulPlan:
         return -(-m // self.block_m), self.num_splits, -(-n // self.block_n)
 
 
-def shared_memory_estimate(*, block_m: int, block_n: int, block_k: int, itemsize: int, num_stages: int) -> int:
-    """Bytes of shared memory one program asks for: num_stages buffered x and FP8 tiles, the converted weight tile
-    as the dot's operand, the fp32 accumulator's layout conversion for the store, and 8 KiB of barriers and slack.
-    An upper estimate, never checked against a compile that failed: the plans below stay far under the limit."""
-    staged = num_stages * (block_m * block_k * itemsize + block_k * block_n)
-    return staged + block_k * block_n * itemsize + block_m * block_n * 4 + 8192
-
-
-def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], itemsize: int = 2,
-                    num_splits: int | None = None, num_sms: int = DEFAULT_NUM_SMS,
-                    shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> Fp8MatmulPlan:
+def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], num_splits: int | None = None,
+                    num_sms: int = DEFAULT_NUM_SMS) -> Fp8MatmulPlan:
     """Choose the tiles. Decode (M <= 64): block_m = M rounded up to a power of 2 >= 16, block_n 64 (twice the
-    programs of 128 on a bandwidth-bound GEMM), 3 stages of loads in flight. Larger M (prefill, wide verification):
-    block_m 64, block_n 128. block_k = min(bi, 128), block_n <= bo. num_splits=None: split K only while the tiles
+    programs of 128 on a bandwidth-bound GEMM). Larger M (prefill, wide verification): block_m 64, block_n 128.
+    block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the largest tile (64 x 128 x 128)
+    compiled for H100 in fp32 and, in bf16, up to 8 stages, so shared memory needs no check at these tiles (unlike
+    tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split K only while the tiles
     alone give fewer programs than SMs, at most ceil(SMs / programs), each split walking >= 4 K blocks, and the
     fp32 partials (written and read: 8 bytes an element) within an eighth of the FP8 weight's K x N bytes."""
     bi, bo = block
     block_m = max(MIN_DOT_DIM, _next_pow2(m)) if m <= MAX_BLOCK_M else MAX_BLOCK_M
     block_n = min(64 if m <= MAX_BLOCK_M else 128, bo)
     block_k = min(bi, MAX_BLOCK_K)
-    num_stages = 3
-    while num_stages > 1 and shared_memory_estimate(block_m=block_m, block_n=block_n, block_k=block_k,
-                                                    itemsize=itemsize, num_stages=num_stages) > shared_memory_bytes:
-        num_stages -= 1
     k_blocks = -(-k // block_k)
     programs = -(-m // block_m) * -(-n // block_n)
     if num_splits is None:
@@ -100,7 +89,7 @@ def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], itemsize:
     if not 1 <= num_splits <= k_blocks:
         raise ValueError(f"num_splits must be in 1..{k_blocks} (the K blocks of {block_k} rows); got {num_splits}")
     return Fp8MatmulPlan(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=num_splits, num_warps=4,
-                         num_stages=num_stages)
+                         num_stages=3)
 
 
 def _fp8_matmul_kernel(x_ref, q_ref, scale_ref, o_ref, *, m: int, k: int, n: int, bi: int, bo: int,
@@ -178,7 +167,7 @@ def block_fp8_matmul(x, q_KN, scale_GH, *, block: tuple[int, int] = (128, 128), 
     m = x_MK.shape[0]
     if m == 0:  # no rows: no programs to launch
         return jnp.zeros((*lead, n), x.dtype)
-    plan = plan_fp8_matmul(m=m, k=k, n=n, block=block, itemsize=jnp.dtype(x.dtype).itemsize, num_splits=num_splits)
+    plan = plan_fp8_matmul(m=m, k=k, n=n, block=block, num_splits=num_splits)
     splits = plan.num_splits
     bm, bn = plan.block_m, plan.block_n
     whole = lambda shape: pl.BlockSpec(shape, lambda i, s, j: (0,) * len(shape))  # noqa: E731 - indexed inside
