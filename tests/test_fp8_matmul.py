@@ -2,14 +2,16 @@
 QuantizedWeight's dequantizing matmul, its tiling plan, its refusals, and where QuantizedWeight uses it: traced for
 a GPU (the kernel's pallas_call in the jaxpr, stacked layers included), never on the CPU.
 
-Tolerances are bounds, not fitted numbers. Exact = x in f32 @ the weight dequantized in f32 (f32 products of fp8
-values, whose e4m3 -> bf16/f32 conversion is exact). With |x| @ |W| as the scale of each output element:
-  f32 activations: the kernel sums in f32 in another order, |y - exact| <= K 2^-23 (|x| @ |W|) (the worst-case
-    accumulation bound gamma_K, twice for the two summations);
-  bf16 activations: the products are exact in f32, the output is rounded to bf16 once: |y - exact| <= 2^-8 |exact|
-    plus the f32 accumulation term above;
-  against the dequantizing matmul (its weight rounded to bf16 first: 2^-9 relative per product, and its output
-    rounded too) the difference is within 2^-7 (|x| @ |W|).
+Tolerances are bounds, not fitted numbers. Exact = x in f32 @ the weight dequantized in f32 (the e4m3 -> bf16 / f32
+conversion is exact). With u = 2^-24 (f32) and |x| @ |W| as the scale of each output element:
+  f32 activations: the kernel and the reference each sum K products in f32 (gamma_K ~ K u each) and round each
+    scale product once, so |y - exact| <= (2K + 2) u (|x| @ |W|); the test allows 4K u (twice that);
+  bf16 activations: the products are exact in f32 and the output is rounded to bf16 once (2^-9 relative), so
+    |y - exact| <= 2^-9 |exact| plus the f32 term; the test allows 2^-8 |exact|;
+  against the dequantizing matmul (its weight rounded to bf16 first, 2^-9 relative a product, and its output
+    rounded too) the difference is within 2^-8 (|x| @ |W|); the test allows 2^-7.
+The compiled kernel on a GPU gets 2^-12 (|x| @ |W|) more: tensor cores' fp32 accumulation is not IEEE
+round-to-nearest (its alignment truncates), so the u bound above does not hold for it.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ def fp8_weight(k: int, n: int, scale_dtype=jnp.float32, seed: int = 0) -> Quanti
     return QuantizedWeight(qw.q, qw.scale.astype(scale_dtype), block=qw.block, fmt=qw.fmt)
 
 
-def check_against_references(y, x, w: QuantizedWeight):
-    x32 = x.astype(jnp.float32)
-    exact = x32 @ w.dequantize(jnp.float32)
-    size = jnp.abs(x32) @ jnp.abs(w.dequantize(jnp.float32))  # |x| @ |W|
+def check_against_references(y, x, w: QuantizedWeight, extra: float = 0.0):
+    x32, w32 = x.astype(jnp.float32), w.dequantize(jnp.float32)
+    exact = jnp.matmul(x32, w32, precision="highest")  # IEEE f32 (a GPU's default f32 dot is TF32)
+    size = jnp.matmul(jnp.abs(x32), jnp.abs(w32), precision="highest")  # |x| @ |W|
     k = x.shape[-1]
     y32 = y.astype(jnp.float32)
-    accumulation = 2 * k * 2.0**-23 * size
+    accumulation = (4 * k * 2.0**-24 + extra) * size
     rounding = 2.0**-8 * jnp.abs(exact) if x.dtype == jnp.bfloat16 else 0.0
     assert y.dtype == x.dtype and y.shape == exact.shape
     assert bool(jnp.all(jnp.abs(y32 - exact) <= rounding + accumulation))
@@ -169,6 +171,6 @@ def test_the_compiled_kernel_on_a_gpu(x_shape, k, n, x_dtype, scale_dtype, split
     """scripts/gpu_checks.sh quant: the Triton kernel itself (not the interpreter), directly and as `x @ w`."""
     w = fp8_weight(k, n, scale_dtype)
     x = jax.random.normal(jax.random.key(1), x_shape).astype(x_dtype)
-    check_against_references(block_fp8_matmul(x, w.q, w.scale, block=w.block, num_splits=splits), x, w)
+    check_against_references(block_fp8_matmul(x, w.q, w.scale, block=w.block, num_splits=splits), x, w, 2.0**-12)
     assert kernel_calls(lambda x, w: x @ w, x, w) == 1
-    check_against_references(jax.jit(lambda x, w: x @ w)(x, w), x, w)
+    check_against_references(jax.jit(lambda x, w: x @ w)(x, w), x, w, 2.0**-12)
