@@ -1,5 +1,6 @@
-"""The production graphs, as shapes only: the tree-attention kernel over its block plans, and the plain and speculative
-loops of a preset at a batch, each a `Graph` (a jitted function, abstract arguments, static keywords) to compile.
+"""The production graphs, as shapes only: the tree-attention kernel over its block plans, the block-FP8 matmul kernel
+at decode shapes, and the plain and speculative loops of a preset at a batch, each a `Graph` (a jitted function,
+abstract arguments, static keywords) to compile.
 
 No weights exist anywhere here: parameters are `jax.ShapeDtypeStruct`s of the stacked (accelerator) layout, so an
 8B loop lowers in seconds on a laptop. The drafters are the families' real modules at realistic widths for an 8B

@@ -13,7 +13,9 @@ It is a pytree (leaves q, scale, zero, g_idx; block and compute dtype static), s
 sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by `lax.scan`, a leaf
 placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__` dequantizes in the
 activation's dtype inside the trace (the whole weight's meaning: each block times its own scale, so 128 x 128
-block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it.
+block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it;
+traced for a GPU, a 2-D block-FP8 weight runs the fused Pallas kernel instead (kernels/fp8_matmul.py: XLA does
+not fuse the dequantization into its GEMM there).
 Why not google/qwix: its QArray needs scale tiles that divide the weight (no ragged 128-blocks), has no
 per-row group index (GPTQ act-order), and enters a model by intercepting nnx.Linear / einsum calls, which
 our functional modules (plain `x @ w` on param dicts under scan) do not make; the dequantizing matmul is ~40 lines.
