@@ -113,16 +113,17 @@ else
     echo "serve_curve_8b: skipped, no serve extra" >"$out/serve_curve_8b.log"
 fi
 elif [ "${1:-}" = "quant" ]; then
-# Q1. Quantized matmuls (docs/quantization.md): [1..8, 4096] x [4096, 14336] in bf16 / block FP8 / INT4 (group 128)
+# Q1. Quantized matmuls (docs/quantization.md): [M, 4096] x [4096, 14336], M = 1..8 (decode) and 64, 512 (where a
+#     GEMM turns compute-bound: is the untuned kernel still ahead?), in bf16 / block FP8 / INT4 (group 128)
 #     as `x @ w` runs them (block FP8 through the fused Pallas kernel on a GPU, INT4 dequantized inside the jitted
 #     matmul); the fused block-FP8 kernel against XLA's dequantize-then-dot and bf16 over 8 distinct weights under
 #     lax.scan (--fp8-kernel 8: us per matmul, the kernel's GB/s, its output against XLA's); whether XLA fuses the
 #     dequantization into the GEMM and what x @ w compiles to (compiled HLO, kept beside the JSON).
-step bench_quant_matmul_8b timeout 70 python scripts/bench_quant.py --matmul 4096,14336 --rows 1,2,4,8 \
+step bench_quant_matmul_8b timeout 90 python scripts/bench_quant.py --matmul 4096,14336 --rows 1,2,4,8,64,512 \
     --formats fp8 int4 --repeats 5 --fp8-kernel 8 --hlo --no-decode --out "$out/bench_quant_matmul_8b.json"
 # Q2. A random 8B target's batch-1 decode in bf16, FP8 (the kernel) and INT4 (ms per token, bytes held); replay
 #     chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
-step bench_quant_8b timeout 300 python scripts/bench_quant.py --preset 8b --matmul '' --formats fp8 int4 \
+step bench_quant_8b timeout 280 python scripts/bench_quant.py --preset 8b --matmul '' --formats fp8 int4 \
     --tokens 64 --repeats 3 --spec 3 --out "$out/bench_quant_8b.json"
 # Q3. The compiled block-FP8 kernel against the exact product, and the quantized-format parity tests on the GPU
 #     (block FP8 end to end through the kernel, compressed-tensors, AWQ).
