@@ -146,6 +146,18 @@ def test_quantized_weight_takes_the_kernel_only_when_traced_for_a_gpu(caplog):
         assert "block-FP8 matmul: using the XLA reference" in caplog.text and "256 x 1" in caplog.text
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (5, 300, 200)])
+def test_x_at_w_lowers_to_the_triton_kernel_for_cuda(m, k, n):
+    """Pallas's Triton lowering of the kernel, without a GPU or jaxlib's CUDA plugin (tests/test_gpu_compile.py
+    compiles it for an H100 where the plugin is installed): an 8B projection's split-K plan and a ragged one."""
+    w = QuantizedWeight(jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn),
+                        jax.ShapeDtypeStruct((-(-k // 128), -(-n // 128)), jnp.float32), block=(128, 128))
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    with targeting_gpu():
+        text = jax.jit(lambda x, w: x @ w).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "block_fp8_matmul" in text
+
+
 @on_cpu
 def test_a_block_fp8_decoder_runs_every_linear_through_the_kernel_on_a_gpu():
     """The stacked decoder's forward traced for a GPU: each of a layer's 7 linears (the scan body, once) is the
