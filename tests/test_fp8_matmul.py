@@ -80,6 +80,7 @@ def test_the_plan_for_an_8b_decode_and_prefill():
     assert plan_fp8_matmul(m=8, k=14336, n=4096, block=(128, 128)).num_splits == 3
     prefill = plan_fp8_matmul(m=1024, k=4096, n=4096, block=(128, 128))
     assert (prefill.block_m, prefill.block_n, prefill.num_splits) == (64, 128, 1)
+    assert plan_fp8_matmul(m=1024, k=4096, n=4096, block=(128, 128), itemsize=4).block_n == 64  # fp32: fast compile
     assert plan_fp8_matmul(m=1, k=4096, n=4096, block=(64, 32)).block_k == 64  # tiles within a scale block
     assert plan_fp8_matmul(m=1, k=4096, n=4096, block=(64, 32)).block_n == 32
 

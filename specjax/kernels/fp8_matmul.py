@@ -68,18 +68,19 @@ class Fp8MatmulPlan:
         return -(-m // self.block_m), self.num_splits, -(-n // self.block_n)
 
 
-def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], num_splits: int | None = None,
-                    num_sms: int = DEFAULT_NUM_SMS) -> Fp8MatmulPlan:
+def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], itemsize: int = 2,
+                    num_splits: int | None = None, num_sms: int = DEFAULT_NUM_SMS) -> Fp8MatmulPlan:
     """Choose the tiles. Decode (M <= 64): block_m = M rounded up to a power of 2 >= 16, block_n 64 (twice the
-    programs of 128 on a bandwidth-bound GEMM). Larger M (prefill, wide verification): block_m 64, block_n 128.
-    block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the largest tile (64 x 128 x 128)
+    programs of 128 on a bandwidth-bound GEMM). Larger M (prefill, wide verification): block_m 64, block_n 128 for
+    16-bit activations (itemsize 2); fp32 keeps 64 (its IEEE dots compiled for H100 in 35-40 s at 64 x 128 x 128,
+    2 s at 64 x 64 x 128). block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the largest tile (64 x 128 x 128)
     compiled for H100 in fp32 and, in bf16, up to 8 stages, so shared memory needs no check at these tiles (unlike
     tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split K only while the tiles
     alone give fewer programs than SMs, at most ceil(SMs / programs), each split walking >= 4 K blocks, and the
     fp32 partials (written and read: 8 bytes an element) within an eighth of the FP8 weight's K x N bytes."""
     bi, bo = block
     block_m = max(MIN_DOT_DIM, _next_pow2(m)) if m <= MAX_BLOCK_M else MAX_BLOCK_M
-    block_n = min(64 if m <= MAX_BLOCK_M else 128, bo)
+    block_n = min(128 if m > MAX_BLOCK_M and itemsize == 2 else 64, bo)
     block_k = min(bi, MAX_BLOCK_K)
     k_blocks = -(-k // block_k)
     programs = -(-m // block_m) * -(-n // block_n)
@@ -167,7 +168,7 @@ def block_fp8_matmul(x, q_KN, scale_GH, *, block: tuple[int, int] = (128, 128), 
     m = x_MK.shape[0]
     if m == 0:  # no rows: no programs to launch
         return jnp.zeros((*lead, n), x.dtype)
-    plan = plan_fp8_matmul(m=m, k=k, n=n, block=block, num_splits=num_splits)
+    plan = plan_fp8_matmul(m=m, k=k, n=n, block=block, itemsize=jnp.dtype(x.dtype).itemsize, num_splits=num_splits)
     splits = plan.num_splits
     bm, bn = plan.block_m, plan.block_n
     whole = lambda shape: pl.BlockSpec(shape, lambda i, s, j: (0,) * len(shape))  # noqa: E731 - indexed inside
