@@ -8,9 +8,10 @@
 #   scripts/gpu_checks.sh serve    the live curve behind `specjax serve`: a random 8B target (bf16) and its random
 #                                  1B-shaped draft model, speculation off and "auto", `specjax bench serve`'s load at
 #                                  concurrency 1..64 (needs the serve extra: fastapi, uvicorn, prometheus-client, httpx)
-#   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls and whether XLA fuses the
-#                                  dequantization into the GEMM, a random 8B target's decode in bf16 vs FP8 vs INT4,
-#                                  speculation on the FP8 target, the quantized-format tests
+#   scripts/gpu_checks.sh quant    quantized weights: bf16 / FP8 / INT4 matmuls, the fused block-FP8 kernel vs XLA's
+#                                  dequantize-then-dot, whether XLA fuses the dequantization into the GEMM, a random
+#                                  8B target's decode in bf16 vs FP8 vs INT4, speculation on the FP8 target, the
+#                                  kernel's and the quantized-format tests
 #   scripts/gpu_checks.sh blocktrees  one-pass block trees (DFlash/DSpark, JetSpec's construction): the compiled
 #                                  kernel on a 256-node tree, the parity tests, the tiny heads' trees vs chains
 #   scripts/gpu_checks.sh compile [PART]  no GPU needed: compile PART's graphs (dense by default) deviceless for
@@ -25,7 +26,7 @@
 # Every command runs under `timeout`; on a GPU every part first compiles the kernel's block-plan sweep deviceless for
 # the lent card's kind (30 s; when a graph fails to compile the script stops there, before any GPU step); with it and
 # the install (30 s) the dense part's timeouts add up to 595 s (9 min 55 s), the hybrid part's to 595 s (9 min 55 s),
-# the moe part's to 585 s (9 min 45 s), the serve part's to 575 s (9 min 35 s), the quant part's to 585 s (9 min 45 s),
+# the moe part's to 585 s (9 min 45 s), the serve part's to 575 s (9 min 35 s), the quant part's to 595 s (9 min 55 s),
 # the blocktrees part's to 575 s (9 min 35 s), the tp part's to 555 s (9 min 15 s) and the engine part's to 575 s
 # (9 min 35 s), under the device's 10-minute limit per command. Every step runs even when an earlier one fails; each
 # step's exit status is recorded, a summary is printed (and written to summary.txt), and the
@@ -112,14 +113,22 @@ else
     echo "serve_curve_8b: skipped, no serve extra" >"$out/serve_curve_8b.log"
 fi
 elif [ "${1:-}" = "quant" ]; then
-# Q1. Quantized weights (docs/quantization.md): [1..8, 4096] x [4096, 14336] in bf16 / block FP8 / INT4 (group 128),
-#     each dequantized inside the jitted matmul; whether XLA fuses the dequantization into the GEMM (compiled HLO,
-#     kept beside the JSON); a random 8B target's batch-1 decode in bf16, FP8 and INT4 (ms per token, bytes held);
-#     replay chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
-step bench_quant_8b timeout 360 python scripts/bench_quant.py --preset 8b --matmul 4096,14336 --rows 1,2,4,8 \
-    --formats fp8 int4 --tokens 64 --repeats 3 --spec 3 --hlo --out "$out/bench_quant_8b.json"
-# Q2. The quantized-format parity tests on the GPU (block FP8 end to end, compressed-tensors, AWQ).
-step quant_tests timeout 150 python -m pytest -q tests/test_quantized.py tests/test_quantized_formats.py
+# Q1. Quantized matmuls (docs/quantization.md): [M, 4096] x [4096, 14336], M = 1..8 (decode) and 64, 512 (where a
+#     GEMM turns compute-bound: is the untuned kernel still ahead?), in bf16 / block FP8 / INT4 (group 128)
+#     as `x @ w` runs them (block FP8 through the fused Pallas kernel on a GPU, INT4 dequantized inside the jitted
+#     matmul); the fused block-FP8 kernel against XLA's dequantize-then-dot and bf16 over 8 distinct weights under
+#     lax.scan (--fp8-kernel 8: us per matmul, the kernel's GB/s, its output against XLA's); whether XLA fuses the
+#     dequantization into the GEMM and what x @ w compiles to (compiled HLO, kept beside the JSON).
+step bench_quant_matmul_8b timeout 90 python scripts/bench_quant.py --matmul 4096,14336 --rows 1,2,4,8,64,512 \
+    --formats fp8 int4 --repeats 5 --fp8-kernel 8 --hlo --no-decode --out "$out/bench_quant_matmul_8b.json"
+# Q2. A random 8B target's batch-1 decode in bf16, FP8 (the kernel) and INT4 (ms per token, bytes held); replay
+#     chains of 3 at acceptance 0.8 on the bf16 and the FP8 target (output equal to plain decoding).
+step bench_quant_8b timeout 280 python scripts/bench_quant.py --preset 8b --matmul '' --formats fp8 int4 \
+    --tokens 64 --repeats 3 --spec 3 --out "$out/bench_quant_8b.json"
+# Q3. The compiled block-FP8 kernel against the exact product, and the quantized-format parity tests on the GPU
+#     (block FP8 end to end through the kernel, compressed-tensors, AWQ).
+step quant_tests timeout 150 python -m pytest -q tests/test_fp8_matmul.py tests/test_quantized.py \
+    tests/test_quantized_formats.py
 elif [ "${1:-}" = "blocktrees" ]; then
 # B1. One-pass block trees on the GPU: the 256-node tree's mask through the compiled Pallas kernel against XLA,
 #     JetSpec's fixtures (head forward, tree, accepted path), and the trees' greedy equality with plain decoding.

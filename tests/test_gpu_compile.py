@@ -13,7 +13,7 @@ import pytest
 
 from specjax.aot.compile import ci_kernel_sweep, compile_graph, format_table, main, scan_hlo, total_bytes
 from specjax.aot.device import cuda_plugin_available, parse_topology, placement
-from specjax.aot.graphs import loop_graph
+from specjax.aot.graphs import fp8_matmul_sweep, loop_graph
 from specjax.aot.memory import compare, graph_plan
 from specjax.kernels import on_gpu, targeting_gpu
 
@@ -123,16 +123,28 @@ def test_the_command_prints_and_writes_the_records(monkeypatch, capsys, tmp_path
 
 
 @needs_plugin
+def test_the_block_fp8_matmul_compiles_for_h100(h100):
+    """The fused FP8 kernel alone at an 8B's decode rows (specjax/aot/graphs.py FP8_MATMULS): Triton to sm_90a, no
+    dequantized weight anywhere; the split-K shape adds one reduce fusion for its partials."""
+    records = [compile_graph(g, h100)[0] for g in fp8_matmul_sweep()]
+    assert [r for r in records if "error" in r] == []
+    assert all(r["pallas_kernels"] == {"block_fp8_matmul": 1} and r["dequantized_weights"] == 0 for r in records)
+    assert all(r["temp_bytes"] == 0 for r in records if r["n"] == 14336)  # no split: the output written in place
+
+
+@needs_plugin
 def test_a_block_fp8_8b_target_holds_its_quantized_size_on_h100(h100):
     """The 8B plain loop with its linears as a block-FP8 checkpoint loads them: the compiled arguments are the FP8
     size (~8.5 GiB: 1 byte a linear weight, f32 block scales, the bf16 embedding and lm_head), not bf16's 15 GiB.
-    Whether XLA fuses the dequantization into the GEMMs is counted: it does not."""
+    Every linear runs the fused block-FP8 kernel: XLA alone wrote each dequantized weight to memory before its GEMM
+    (12 such fusions at batch 1, jax 0.10.2: docs/quantization.md); with the kernel there are none."""
     graph = loop_graph("8b", "plain", 1, quantized="fp8")
     record, _ = compile_graph(graph, h100)
     assert "error" not in record, record.get("error")
     assert 8.3 * GIB < record["argument_bytes"] < 8.6 * GIB
     assert record["pallas_kernels"].get("tree_attention", 0) >= 1
     assert graph.name == "plain/8b/b1/fp8"
-    # jax 0.10.2's XLA writes each dequantized weight before its GEMM (12 here; docs/quantization.md reports it as
-    # the reason FP8 needs a fused kernel): when this fails, XLA fuses them, and that page must say so
-    assert record["dequantized_weights"] > 0
+    # the 7 linears of the layer scan in the prefill and in the decode step
+    assert record["pallas_kernels"].get("block_fp8_matmul") == 14
+    assert record["dequantized_weights"] == 0
+    assert record["temp_bytes"] < 0.4 * GIB

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 
 from specjax.aot.device import DEVICE_TARGETS, TOPOLOGIES, Placement, parse_topology, placement
-from specjax.aot.graphs import DRAFTS, LOOP_PRESETS, Graph, kernel_sweep, loop_graphs
+from specjax.aot.graphs import DRAFTS, LOOP_PRESETS, Graph, fp8_matmul_sweep, kernel_sweep, loop_graphs
 from specjax.kernels import targeting_gpu
 from specjax.models.sharding import use_mesh
 
@@ -171,7 +171,7 @@ def select_graphs(args: argparse.Namespace) -> list[Graph]:
     hosts, per_host = parse_topology(args.topology)
     graphs: list[Graph] = []
     if args.kernels != "none":
-        graphs += kernel_sweep() if args.kernels == "full" else ci_kernel_sweep()
+        graphs += (kernel_sweep() if args.kernels == "full" else ci_kernel_sweep()) + fp8_matmul_sweep()
     drafts = tuple(args.drafts.split(",")) if args.drafts else DRAFTS
     for preset in args.preset:
         graphs += loop_graphs(preset, tuple(args.batch), drafts, tensor_parallel=hosts * per_host > 1,
@@ -200,7 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's linears as a block-FP8 checkpoint loads them (values FP8, one scale per 128 x "
                         "128 block); records count the dequantized weights written before their GEMM")
     p.add_argument("--kernels", choices=KERNEL_SETS, default="full",
-                   help="the kernel's block-plan sweep: full (60 configurations), ci (a reduced 12), none")
+                   help="the tree-attention kernel's block-plan sweep: full (60 configurations), ci (a reduced 12), "
+                        "none; full and ci add the block-FP8 matmul at 4 decode shapes")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of the table")
     p.add_argument("--out", default=None, help="also write the records (with the command and machine) as JSON here")
 

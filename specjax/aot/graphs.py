@@ -1,5 +1,6 @@
-"""The production graphs, as shapes only: the tree-attention kernel over its block plans, and the plain and speculative
-loops of a preset at a batch, each a `Graph` (a jitted function, abstract arguments, static keywords) to compile.
+"""The production graphs, as shapes only: the tree-attention kernel over its block plans, the block-FP8 matmul kernel
+at decode shapes, and the plain and speculative loops of a preset at a batch, each a `Graph` (a jitted function,
+abstract arguments, static keywords) to compile.
 
 No weights exist anywhere here: parameters are `jax.ShapeDtypeStruct`s of the stacked (accelerator) layout, so an
 8B loop lowers in seconds on a laptop. The drafters are the families' real modules at realistic widths for an 8B
@@ -29,7 +30,7 @@ from specjax.decoding.scheduler import verify_widths
 from specjax.decoding.speculative import Scheduler, spec_generate
 from specjax.decoding.tree import DynamicTreeSpec, chain, kary
 from specjax.drafters import DraftModelDrafter, dflash, dspark
-from specjax.kernels import tree_attention
+from specjax.kernels import block_fp8_matmul, tree_attention
 from specjax.loading.target import target_shardings
 from specjax.models.model import param_shapes
 from specjax.planning.presets import QWEN35_27B
@@ -112,6 +113,25 @@ def kernel_graph(*, head_dim: int, group: int, nodes: int, max_len: int, batch: 
 def kernel_sweep(head_dims=KERNEL_HEAD_DIMS, dtypes=KERNEL_DTYPES, ng=KERNEL_NG, sb=KERNEL_SB) -> list[Graph]:
     return [kernel_graph(head_dim=d, group=g, nodes=n, max_len=s, batch=b, dtype=dt)
             for d, dt, (n, g), (s, b) in itertools.product(head_dims, dtypes, ng, sb)]
+
+
+# the block-FP8 matmul at an 8B's decode rows: the MLP's [4096, 14336] (one K split) at M 1, 8, 64, and wo's
+# [4096, 4096] at M 1 (split-K: its 64 column tiles alone leave SMs idle)
+FP8_MATMULS = ((1, 4096, 14336), (8, 4096, 14336), (64, 4096, 14336), (1, 4096, 4096))
+
+
+def fp8_matmul_graph(*, m: int, k: int, n: int, dtype: str = "bfloat16") -> Graph:
+    """The block-FP8 Pallas kernel alone: x [m, k] @ FP8 values [k, n] with f32 scales per 128 x 128 block."""
+    x = jax.ShapeDtypeStruct((m, k), jnp.dtype(dtype))
+    q = jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((-(-k // FP8_BLOCK[0]), -(-n // FP8_BLOCK[1])), jnp.float32)
+    fn = jax.jit(lambda x, q, s: block_fp8_matmul(x, q, s, block=FP8_BLOCK))
+    name = f"fp8_matmul/m{m}/k{k}/n{n}/{'bf16' if dtype == 'bfloat16' else 'fp32'}"
+    return Graph(name, fn, (x, q, scale), info=dict(m=m, k=k, n=n, dtype=dtype))
+
+
+def fp8_matmul_sweep(shapes=FP8_MATMULS) -> list[Graph]:
+    return [fp8_matmul_graph(m=m, k=k, n=n) for m, k, n in shapes]
 
 
 # ---------------------------------------------------------------- the loops

@@ -8,12 +8,14 @@ import logging
 
 import jax
 
+from .fp8_matmul import block_fp8_matmul, fp8_matmul_unsupported_reason, plan_fp8_matmul
 from .reference import tree_attention_reference
 from .sharded import sharded_tree_attention
 from .tree_attention import BlockPlan, kernel_unsupported_reason, plan_blocks, tree_attention
 
 __all__ = ["attention", "on_gpu", "targeting_gpu", "tree_attention", "sharded_tree_attention", "tree_attention_reference", "plan_blocks",
-           "BlockPlan", "kernel_unsupported_reason"]
+           "BlockPlan", "kernel_unsupported_reason", "block_fp8_matmul", "fp8_matmul_unsupported_reason",
+           "plan_fp8_matmul", "use_fp8_matmul_kernel"]
 
 IMPLS = ("auto", "xla", "pallas")
 logger = logging.getLogger("specjax")
@@ -40,12 +42,37 @@ def targeting_gpu():
         _targeting_gpu.reset(token)
 
 
-def _warn_fallback_once(reason: str) -> None:
-    """Log why impl="auto" fell back to the XLA reference, once per distinct reason."""
+def _warn_fallback_once(reason: str, what: str = "attention impl='auto'") -> None:
+    """Log why `what` fell back to XLA instead of its Pallas kernel, once per distinct reason."""
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
-        logger.warning("attention impl='auto': using the XLA reference, not the Pallas kernel: %s",
-                       reason)
+        logger.warning("%s: using the XLA reference, not the Pallas kernel: %s", what, reason)
+
+
+def use_fp8_matmul_kernel(x_dtype, q_dtype, block: tuple[int, int]) -> bool:
+    """Does a 2-D block-FP8 weight's matmul take `block_fp8_matmul`: tracing for a GPU, the kernel supports the
+    dtypes and block (`fp8_matmul_unsupported_reason`), and no multi-device mesh is active (the kernel has no
+    sharded form: a partitioner would gather the weight to every device), or the trace is inside shard_map.
+    Off GPU: False, silently (the CPU keeps the dequantizing matmul); on a GPU an unsupported case logs its reason
+    once and returns False.
+
+    Args:
+      x_dtype: the activations' dtype.
+      q_dtype: the weight values' dtype (float8_e4m3fn for block FP8).
+      block: the scale block (bi, bo).
+    Returns:
+      True when the caller should call `block_fp8_matmul`.
+    """
+    if not on_gpu():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    reason = fp8_matmul_unsupported_reason(x_dtype=x_dtype, q_dtype=q_dtype, block=block)
+    if reason is None and not mesh.empty and mesh.size > 1 and not mesh.are_all_axes_manual:
+        reason = f"a mesh of {mesh.size} devices is active, and the kernel has no sharded form yet"
+    if reason is not None:
+        _warn_fallback_once(reason, "block-FP8 matmul")
+        return False
+    return True
 
 
 def attention(q_BNHD, k_BSKD, v_BSKD, lengths_B, mask_BNN, *, impl: str = "auto",

@@ -13,7 +13,9 @@ It is a pytree (leaves q, scale, zero, g_idx; block and compute dtype static), s
 sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by `lax.scan`, a leaf
 placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__` dequantizes in the
 activation's dtype inside the trace (the whole weight's meaning: each block times its own scale, so 128 x 128
-block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it.
+block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it;
+traced for a GPU, a 2-D block-FP8 weight runs the fused Pallas kernel instead (kernels/fp8_matmul.py: XLA does
+not fuse the dequantization into its GEMM there).
 Why not google/qwix: its QArray needs scale tiles that divide the weight (no ragged 128-blocks), has no
 per-row group index (GPTQ act-order), and enters a model by intercepting nnx.Linear / einsum calls, which
 our functional modules (plain `x @ w` on param dicts under scan) do not make; the dequantizing matmul is ~40 lines.
@@ -27,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax import kernels
 
 
 @jax.tree_util.register_dataclass
@@ -69,10 +73,17 @@ class QuantizedWeight:
         return jax.tree.map(lambda x: x[index], self)
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
-        """x @ W: the weight dequantized to x's dtype (a fused producer of the matmul under jit), then the dot; with
-        matmul="ktile" (and scales that vary along the input, no g_idx) the K-tile form instead."""
+        """x @ W: the weight dequantized to x's dtype, then the dot; with matmul="ktile" (and scales that vary along
+        the input, no g_idx) the K-tile form instead. Traced for a GPU, a 2-D block-FP8 weight (no zero point or
+        g_idx; a stacked weight is 2-D inside the layer scan) with the default matmul="blocks" runs the fused Pallas
+        kernel `kernels.block_fp8_matmul` instead: XLA writes the dequantized weight to memory before its GEMM
+        (docs/quantization.md), the kernel converts the FP8 tiles in registers. The CPU path is unchanged."""
         if self.matmul == "ktile" and self.q.ndim == 2 and self.g_idx is None and self.scale.shape[0] > 1:
             return self.ktile_matmul(x)
+        if (self.matmul == "blocks" and self.q.ndim == 2 and self.zero is None and self.g_idx is None
+                and self.q.dtype == jnp.float8_e4m3fn
+                and kernels.use_fp8_matmul_kernel(x.dtype, self.q.dtype, self.block)):
+            return kernels.block_fp8_matmul(x, self.q, self.scale, block=self.block)
         return x @ self.dequantize(x.dtype)
 
     def ktile_matmul(self, x: jax.Array) -> jax.Array:
