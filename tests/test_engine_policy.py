@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.decoding.tree import chain
-from specjax.engine.policy import DWELL, MIN_SAMPLES, OFF, LoadPolicy
+from specjax.engine.policy import DROP_CHUNKS, DWELL, MIN_SAMPLES, OFF, LoadPolicy
 
 LABELS = [OFF, "chain:1", "chain:2", "chain:4"]
 DEPTHS = {OFF: 0, "chain:1": 1, "chain:2": 2, "chain:4": 4}
@@ -94,6 +94,11 @@ def test_a_shape_that_measures_worse_than_off_is_dropped_and_left_at_once():
     for _ in range(MIN_SAMPLES):
         p.record(1, 1, "chain:2", 10, 20, 0.09)  # 222 a row: kept
     assert (1, "chain:2") not in p.dropped
+    lasted = p.chunks_at[1] - p.dropped[(1, "chain:4")]  # the drop lasts DROP_CHUNKS chunks at that bucket
+    while (1, "chain:4") in p.dropped:
+        p.record(1, 1, OFF, 10, 10, 0.06)
+        lasted += 1
+    assert lasted == DROP_CHUNKS and (1, "chain:4") not in p.row_rate  # then fresh evidence decides again
 
 
 def test_an_untimed_bucket_runs_each_shape_once_before_choosing():

@@ -26,7 +26,8 @@ joining and leaving (a bucket boundary crossed back and forth) or one noisy chun
 use that is dropped at this bucket is left at once. The loop is closed: each chunk's realized tokens per live row
 per second is recorded per (bucket, shape), and a shape that measures, over `MIN_SAMPLES` chunks, more than 5% worse
 than off at a bucket (off's realized rate there, or while off has not run there, its clean chunks against one
-token a step at off's timed cost) is dropped there.
+token a step at off's timed cost) is dropped there, for DROP_CHUNKS chunks at that bucket: then its realized rates
+start afresh and it may be chosen again (a drop measured while something else loaded the machine must not last).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ RANK_PRIOR = 0.3  # an unmeasured rank r > 0: this share of what the ranks befor
 MIN_OFFERED = 16  # opportunities of a (depth, rank) before its measured acceptance replaces the prior
 MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
 DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
+DROP_CHUNKS = 300  # chunks at a bucket a drop lasts
 EMA = 0.2  # weight of a new chunk in the running averages
 FORGET = 0.998  # per chunk at a bucket: how much of each shape's realization evidence there is kept
 PRIOR_CHUNKS = 4.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
@@ -98,7 +100,8 @@ class LoadPolicy:
         self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # every chunk's tokens/row/s
         self.clean_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # those with no prefill before them
         self.realized: dict[tuple[int, str], Realization] = defaultdict(Realization)
-        self.dropped: set[tuple[int, str]] = set()
+        self.dropped: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when dropped
+        self.chunks_at: dict[int, int] = defaultdict(int)  # chunks recorded per bucket
         depth, ranks = shape_size(self.specs.values())
         self.verified_DR = np.zeros((depth, ranks))  # drafts the target accepted, per (depth, rank)
         self.offered_DR = np.zeros((depth, ranks))  # their opportunities (offered under an accepted parent)
@@ -191,6 +194,12 @@ class LoadPolicy:
         round time would charge one shape with work every shape does."""
         if rounds <= 0 or seconds <= 0 or live <= 0:
             return
+        self.chunks_at[nb] += 1
+        for key, at in list(self.dropped.items()):  # a drop expires: fresh evidence decides again
+            if key[0] == nb and self.chunks_at[nb] - at >= DROP_CHUNKS:
+                del self.dropped[key]
+                self.row_rate.pop(key, None)
+                self.clean_rate.pop(key, None)
         modelled = self.modelled(nb, live, label)  # before this chunk's time moves the round cost
         for (b, _), evidence in self.realized.items():
             if b == nb:
@@ -208,8 +217,8 @@ class LoadPolicy:
         self.row_rate[(nb, label)].add(rate)
         if clean:
             self.clean_rate[(nb, label)].add(rate)
-        if label != OFF and self.worse_than_off(nb, label):
-            self.dropped.add((nb, label))
+        if label != OFF and (nb, label) not in self.dropped and self.worse_than_off(nb, label):
+            self.dropped[(nb, label)] = self.chunks_at[nb]
 
     def worse_than_off(self, nb: int, label: str) -> bool:
         """Whether `label` realizes more than 5% fewer tokens per row per second than off at bucket nb, both over
