@@ -91,6 +91,18 @@ def test_greedy_equals_plain_under_arrivals_aborts_and_switches(target, plain, f
         assert {label for _, _, label in stats["shapes_over_time"]} == {OFF, "chain:2"}
         assert stats["catch_up_rows"] > 0
         assert_no_leaks(engine)
+        # Admitted while "off": prefilled without the drafter (its state stale), caught up when the chain resumes.
+        labels = iter([OFF] * 4)
+        engine.policy.choose = lambda nb, live, current: next(labels, "chain:2")
+        before = engine.stats()
+        runner = engine.submit(PROMPTS[4], max_new_tokens=BUDGETS[4], temperature=0.0)  # a chunk runs "off" first
+        while engine.stats()["chunks"] == before["chunks"]:
+            time.sleep(0.005)
+        late = engine.submit(PROMPTS[1], max_new_tokens=BUDGETS[1], temperature=0.0)
+        assert late.result(timeout=300).tokens == plain[1] and runner.result(timeout=300).tokens == plain[4]
+        after = engine.stats()
+        assert after["draftless_prefill_rows"] > before["draftless_prefill_rows"]
+        assert after["catch_up_rows"] > before["catch_up_rows"]
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "moe"])

@@ -247,9 +247,9 @@ class Engine:
         self._rounds = 1
         self._gap_work = 0  # prefills, prompt pieces and catch-ups dispatched since the last chunk
         self._history: list[tuple[float, int, str]] = []
-        self._counters = collections.Counter({k: 0 for k in ("chunks", "prefills", "prefill_rows", "chunked_prefills",
-                                                             "catch_up_rows", "tokens_emitted", "requests_finished",
-                                                             "requests_aborted")})
+        self._counters = collections.Counter({k: 0 for k in (
+            "chunks", "prefills", "prefill_rows", "draftless_prefill_rows", "chunked_prefills", "catch_up_rows",
+            "tokens_emitted", "requests_finished", "requests_aborted")})
         self._started = time.perf_counter()
         self._slots = self._fresh_slots()
         self._slot_shardings = jax.tree.map(lambda x: x.sharding, self._slots)
@@ -408,10 +408,10 @@ class Engine:
             shapes (the candidates), shapes_over_time ((seconds since start, rows decoding, shape) at each
             change), compiles and compile_s (an engine after `warmup()` adds none), warmed_up, cache_len, memory
             (the slots' byte plan), offered_at_depth and accepted_at_depth (drafts per depth, warmup's excluded),
-            the counters chunks, prefills,
-            prefill_rows, chunked_prefills, catch_up_rows, tokens_emitted, requests_finished, requests_aborted, and
-            the policy's acceptance_at_depth (a chain's), acceptance_depth_rank (p[depth][rank]), tau (per shape),
-            round_ms (per "bucket/shape") and dropped shapes.
+            the counters chunks, prefills, prefill_rows, draftless_prefill_rows (rows admitted while speculation was
+            off: the drafter's prefill skipped), chunked_prefills, catch_up_rows, tokens_emitted, requests_finished,
+            requests_aborted, and the policy's acceptance_at_depth (a chain's), acceptance_depth_rank
+            (p[depth][rank]), tau (per shape), round_ms and realized_factor (per "bucket/shape") and dropped shapes.
         """
         with self._lock:
             live = sum(a is not None and not a.finished for a in self._live)
@@ -734,7 +734,13 @@ class Engine:
         """Rows a chunk or a prefill of n rows runs: a power of two, a multiple of the data-parallel size."""
         return min(batch_bucket(n, self.data), self.max_slots)
 
-    def _prefill(self, group: list[_Active], length: int) -> None:
+    def _prefill(self, group: list[_Active], length: int, draftless: bool | None = None) -> None:
+        """Prefill `group` (prompts of bucket `length`) and insert them into the next free slots. While speculation
+        is off (`draftless`, by default whether the shape in use is "off" in an engine that may speculate) the
+        drafter's prefill is skipped: its state for these rows stays stale, caught up only if speculation resumes
+        while they live ("off" costs no draft forward)."""
+        if draftless is None:
+            draftless = self._shape == OFF and self._prefill_drafter is not None
         self._gap_work += 1
         pb = self._rows_bucket(len(group))
         base = self._live_count()
@@ -756,12 +762,20 @@ class Engine:
             self._max_new[slot] = max_new_B[i]
             _set_row(self._rows, slot, a.req.rows, 0)
         sampled = max(self.lc)
-        new = self._exec(("prefill", pb, length), ops.prefill, lc=self.lc[sampled], drafter=self._prefill_drafter,
-                         depth=self.depth, ranks=self.ranks)(self.target.params, self._draft_params(), prompt_BT,
-                                                             prompt_len_B,
-                                           max_new_B, seeds_B, fold_B, _as_rows(rows))
-        self._slots = self._exec(("insert", pb), ops.insert, donate=0, axes=self.axes)(self._slots, new,
-                                                                                       jnp.asarray(dst))
+        args = (prompt_BT, prompt_len_B, max_new_B, seeds_B, fold_B, _as_rows(rows))
+        if draftless:
+            new = self._exec(("prefill", pb, length), ops.prefill, lc=self.lc[sampled], drafter=None,
+                             depth=self.depth, ranks=self.ranks)(self.target.params, None, *args)
+            self._slots = self._exec(("insert_target", pb), ops.insert_target, donate=0, axes=self.target_axes)(
+                self._slots, new, jnp.asarray(dst))
+            for a in group:
+                a.stale = True
+            self._counters["draftless_prefill_rows"] += len(group)
+        else:
+            new = self._exec(("prefill", pb, length), ops.prefill, lc=self.lc[sampled], drafter=self._prefill_drafter,
+                             depth=self.depth, ranks=self.ranks)(self.target.params, self._draft_params(), *args)
+            self._slots = self._exec(("insert", pb), ops.insert, donate=0, axes=self.axes)(self._slots, new,
+                                                                                           jnp.asarray(dst))
         self._counters["prefills"] += 1
         self._counters["prefill_rows"] += len(group)
 
@@ -902,7 +916,7 @@ class Engine:
         stale = [a for a in self._live if a is not None and a.stale and not (a.finished or a.aborted or a.prefilling)]
         groups = collections.defaultdict(list)
         for a in stale:
-            groups[bucket(len(a.ids) + len(a.device_tokens) - 1)].append(a)
+            groups[bucket(len(a.ids) + max(len(a.device_tokens), 1) - 1)].append(a)  # unread: the prompt alone
         for length, group in sorted(groups.items()):
             for i in range(0, len(group), self.max_prefill_batch):
                 self._catch_up_group(group[i: i + self.max_prefill_batch], length)
@@ -913,14 +927,14 @@ class Engine:
         self._gap_work += 1
         pb = self._rows_bucket(len(group))
         seq_BT = np.zeros((pb, length), np.int32)
-        seq_len_B, root_B = np.ones((pb,), np.int32), np.zeros((pb,), np.int32)
+        seq_len_B = np.ones((pb,), np.int32)
         dst = np.full((pb,), self.max_slots, np.int32)  # padding rows (and warmup's) are dropped
         for j, a in enumerate(group):
-            seq = a.ids + a.device_tokens[:-1]
-            seq_BT[j, :len(seq)], seq_len_B[j], root_B[j], dst[j] = seq, len(seq), a.device_tokens[-1], a.slot
+            seq = a.ids + a.device_tokens[:-1]  # the root, its last token, is the slot's own (ops.catch_up)
+            seq_BT[j, :len(seq)], seq_len_B[j], dst[j] = seq, len(seq), a.slot
         dstate = self._exec(("catch_up", pb, length), ops.catch_up, lc=self.lc[max(self.lc)],
                             drafter=self._prefill_drafter)(self.target.params, self._draft_params(), seq_BT,
-                                                           seq_len_B, root_B)
+                                                           seq_len_B, self._slots.root_B, jnp.asarray(dst))
         new_dstate = self._exec(("insert_dstate", pb), ops.insert, donate=0, axes=self.dstate_axes)(
             self._slots.dstate, dstate, jnp.asarray(dst))
         self._slots = dataclasses.replace(self._slots, dstate=new_dstate)
@@ -1015,6 +1029,8 @@ class Engine:
         self.axes = ops.batch_axes(small, large)
         self.dstate_axes = ops.batch_axes(small.dstate, large.dstate)
         self.cache_axes = ops.batch_axes(small.cache, large.cache)
+        self.target_axes = ops.batch_axes(self._prefill_shapes(3 * self.data, None),
+                                          self._prefill_shapes(5 * self.data, None))  # rows prefilled draftless
         for (label, sampled), drafter in self.configured.items():
             if drafter is not None and jax.tree.structure(self._prefill_shapes(self.data, drafter).dstate) != \
                     jax.tree.structure(small.dstate):
@@ -1029,8 +1045,12 @@ class Engine:
         lengths = _buckets(16, bucket(self.max_len - 1))
         for pb in sorted({self._rows_bucket(n) for n in range(1, self.max_prefill_batch + 1)}):
             for length in lengths:
+                if self._prefill_drafter is not None and OFF in self.labels:  # the prefill "off" admits with
+                    self._prefill([self._dummy(min(length, self.max_len - 1)) for _ in range(pb)], length,
+                                  draftless=True)
+                    self._retire_all()
                 dummies = [self._dummy(min(length, self.max_len - 1)) for _ in range(pb)]
-                self._prefill(dummies, length)
+                self._prefill(dummies, length, draftless=False)
                 self._retire_all()
                 if self.drafter is not None:
                     for a in dummies:

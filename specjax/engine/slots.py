@@ -135,6 +135,13 @@ def insert(slots, new, dst_P: jax.Array, axes: tuple):
     return _leafwise(lambda a, x, n: x if a is None else x.at[_index(a, dst_P)].set(n, mode="drop"), axes, slots, new)
 
 
+def insert_target(slots: Slots, new: Slots, dst_P: jax.Array, axes: tuple) -> Slots:
+    """insert() of rows prefilled without the drafter (`new.dstate` None; `axes` those of such rows): every field
+    but the drafter state, whose rows at dst_P stay stale until a catch-up replaces them."""
+    merged = insert(dataclasses.replace(slots, dstate=None), new, dst_P, axes)
+    return dataclasses.replace(merged, dstate=slots.dstate)
+
+
 def move(slots: Slots, src: jax.Array, dst: jax.Array, axes: tuple) -> Slots:
     """Row src copied to row dst (the engine's compaction); row src is then marked done (free)."""
     moved = _leafwise(lambda a, x: x if a is None else x.at[_index(a, dst)].set(x[_index(a, src)]), axes, slots)
@@ -181,10 +188,13 @@ def snapshot(slots: Slots) -> tuple:
     return (slots.out_BO, slots.count_B, slots.done_B, slots.step, slots.stats, slots.logprobs)
 
 
-def catch_up(params, draft_params, seq_BT, seq_len_B, root_B, *, lc: LoopConfig, drafter: Drafter):
+def catch_up(params, draft_params, seq_BT, seq_len_B, slot_root_B, dst_P, *, lc: LoopConfig, drafter: Drafter):
     """A drafter state for rows that decoded with speculation off: the drafter's init over each row's whole
     sequence so far (prompt and output before the root), with the target's features over it from a forward into a
-    scratch cache (dropped: the slots' own cache is never rewritten). This is what resuming speculation costs."""
+    scratch cache (dropped: the slots' own cache is never rewritten). This is what resuming speculation costs.
+    Each row's root is its slot's (`slot_root_B` at dst_P; a row admitted while off may not have been read yet, its
+    first token known only here; a padding row's dst past the slots reads 0)."""
+    root_B = slot_root_B.at[dst_P].get(mode="fill", fill_value=0)
     features = ()
     if drafter.feature_layers:
         model = merge(lc.model, params)
