@@ -83,7 +83,18 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=4.0, help="seconds per concurrency step of the ramp")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from", dest="source", nargs="+", default=None,
+                    help="records to merge (one per drafter) and print as a table (and --plot, --out), running nothing")
     args = ap.parse_args()
+    if args.source:
+        record = merge_records(args.source)
+        print(format_table(record))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+        if args.plot:
+            plot(record, args.plot)
+        return
 
     chains = [int(k) for k in args.chains.split(",")]
     trees = [t for t in args.trees.split(";") if t]
@@ -167,6 +178,33 @@ def main() -> None:
                 json.dump(record, f, indent=1)
     if args.plot:
         plot(record, args.plot)
+
+
+def merge_records(paths: list[str]) -> dict:
+    """One record of several runs' (one process per drafter): the first's header, every run's drafters."""
+    records = [json.load(open(p)) for p in paths]
+    merged = {**records[0], "drafters": {}}
+    for r in records:
+        merged["drafters"].update(r["drafters"])
+    commits = sorted({r["commit"] for r in records})
+    merged["note"] = f"one process per drafter, records merged; commits: {', '.join(commits)}"
+    return merged
+
+
+def format_table(record: dict) -> str:
+    """Markdown: per drafter and concurrency, median tokens/s of every setting, auto / off and auto / best fixed
+    (medians of within-repeat ratios) and the shapes auto ran."""
+    first = next(iter(record["drafters"].values()))["fixed"][0]["tok_s"]
+    names = list(first)
+    lines = ["| drafter | c | " + " | ".join(names) + " | auto / off | auto / best fixed | auto ran |",
+             "|" + "---|" * (len(names) + 5)]
+    for which, r in record["drafters"].items():
+        for row in r["fixed"]:
+            ran = sorted({s for run in row["auto_shapes"] for s in run})
+            cells = " | ".join(f"{row['tok_s'][n]:.0f}" for n in names)
+            lines.append(f"| {which} | {row['concurrency']} | {cells} | {row['auto_vs_off']:.2f} | "
+                         f"{row['auto_vs_best']:.2f} ({row['best_fixed']}) | {', '.join(ran)} |")
+    return "\n".join(lines)
 
 
 def plot(record: dict, path: str) -> None:
