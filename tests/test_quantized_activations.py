@@ -201,3 +201,33 @@ def test_bad_activation_quant_and_a_missing_input_scale(tmp_path):
     off, _ = read_linear(tensors, "m", QuantScheme(scheme.method, (), scheme.config, activation_quant=False),
                          "float32")
     assert off.activations is None and off.input_scale is None
+
+
+def test_the_gpu_kernel_multiplies_the_quantized_input(monkeypatch):
+    """Traced for a GPU, a block-FP8 weight with activation quantization still takes the fused kernel (here in
+    Pallas's interpreter), fed the rounded input: the same numbers as the CPU's dequantizing matmul."""
+    import dataclasses
+
+    import jax
+
+    from specjax import kernels
+    from specjax.quant.quantize import quantize_weight
+
+    rng = np.random.default_rng(2)
+    w = quantize_weight(rng.normal(size=(256, 192)).astype(np.float32) * 0.05, "fp8", "float32")
+    w = dataclasses.replace(w, activations=Activations("fp8", "group", group=128, min_amax=1e-10))
+    x = random_activations(3)[0, :3]
+    want = np.asarray(jax.jit(lambda x, w: x @ w)(x, w))
+    calls = []
+
+    def interpreted(*args, **kwargs):
+        calls.append(kwargs)
+        return kernels.fp8_matmul.block_fp8_matmul(*args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(kernels, "block_fp8_matmul", interpreted)
+    with kernels.targeting_gpu():
+        got = np.asarray(jax.jit(lambda x, w: x @ w)(x, w))
+    assert len(calls) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    weight_only = x @ np.asarray(w.dequantize(np.float32))
+    assert np.abs(weight_only - want).max() > 1e-3 * np.abs(want).max()
