@@ -231,3 +231,49 @@ def test_the_gpu_kernel_multiplies_the_quantized_input(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     weight_only = x @ np.asarray(w.dequantize(np.float32))
     assert np.abs(weight_only - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("spec", [Activations("fp8", "group", group=16, min_amax=1e-10), Activations("fp8", "token"),
+                                  Activations("fp8", "tensor", static=True)], ids=lambda s: s.name)
+@pytest.mark.parametrize("path", ["gather", "sorted", "ragged", "accelerator"])
+def test_every_expert_path_rounds_each_experts_input(monkeypatch, spec, path):
+    """Quantized [E, ...] experts with activation quantization (a static one: one input_scale per expert) through
+    each expert path (the accelerator's batched gather taken on this CPU by saying it is a GPU) equal a per-slot
+    loop: each token's input, and each expert's hidden state, rounded as that expert's linear says. (Not INT8 per
+    token here: compressed-tensors' 127.5 divisor puts a row's largest negative value on a rounding tie, so the
+    hidden state's fp32 summation order, which differs between a block of rows and one row, can flip it a step.)"""
+    import dataclasses
+
+    import jax
+
+    from specjax.models import moe
+    from specjax.quant.qarray import QuantizedWeight
+
+    rng = np.random.default_rng(0)
+    e, d, i, n, k = 4, 32, 48, 6, 2
+
+    def experts(shape):
+        q = rng.normal(size=shape).astype(ml_dtypes.float8_e4m3fn)
+        scale = rng.uniform(0.01, 0.05, size=shape[:-2] + (-(-shape[-2] // 16), -(-shape[-1] // 16)))
+        input_scale = rng.uniform(0.01, 0.03, size=shape[0]).astype(np.float32) if spec.static else None
+        return QuantizedWeight(q, scale.astype(np.float32), block=(16, 16), compute_dtype="float32",
+                               activations=spec, input_scale=input_scale)
+
+    weights = [experts((e, d, i)), experts((e, d, i)), experts((e, i, d))]
+    x_ND = rng.normal(size=(n, d)).astype(np.float32)
+    weights_NK, experts_NK = moe.route(jax.numpy.asarray(x_ND), rng.normal(size=(d, e)).astype(np.float32), k, True)
+    want = np.zeros_like(x_ND)
+    for t in range(n):
+        for j in range(k):
+            ex = int(experts_NK[t, j])
+            gate, up, down = (w[ex] for w in weights)  # expert ex's matrix, its input scale with it
+            row = jax.numpy.asarray(x_ND[t:t + 1])
+            hidden = jax.nn.silu(row @ gate) * (row @ up)  # `x @ w` rounds its input itself
+            want[t] += np.asarray(hidden @ down)[0] * float(weights_NK[t, j])
+    fn = moe.EXPERT_PATHS["gather" if path == "accelerator" else path]
+    if path == "accelerator":
+        monkeypatch.setattr(moe.kernels, "on_gpu", lambda: True)
+    run = jax.jit(lambda x, *ws: fn(x, weights_NK, experts_NK, *ws))
+    np.testing.assert_allclose(np.asarray(run(x_ND, *weights)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    unrounded = np.asarray(run(x_ND, *(dataclasses.replace(w, activations=None, input_scale=None) for w in weights)))
+    assert np.abs(unrounded - want).max() > 1e-3 * np.abs(want).max()

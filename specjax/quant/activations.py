@@ -19,7 +19,8 @@ The definitions, from the producers' own code:
       times s.
   block FP8 (vLLM vllm/model_executor/layers/quantization/utils/fp8_utils.py `per_token_group_quant_fp8`,
       group = weight_block_size[1]; transformers 5.x's FP8Linear leaves it to its hub kernel,
-      kernels-community/finegrained-fp8, not installed here): s = max(max |x| over the group, 1e-10) / 448, x / s clamped to +-448, cast to FP8.
+      kernels-community/finegrained-fp8, not installed here): s = max(max |x| over the group, 1e-10) / 448,
+      x / s clamped to +-448, cast to FP8.
 
 Scales are computed in fp32 whatever x's dtype (vLLM's kernels do; the compressed-tensors package computes them
 in x's dtype, so on a bf16 torch model its scales are bf16-rounded: an fp32 reference is equal, a bf16 one within
