@@ -70,7 +70,7 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
 
     Raises:
         ValueError: an architecture or config field specjax does not implement (named), a tensor the config does not
-            account for, a bad dtype / attn_impl / layout / activation_quant, an activation quantization specjax
+            account for, a bad dtype / attn_impl / layout, an activation quantization specjax
             does not compute (named; activation_quant=False loads the weights alone), or a mesh that does not fit.
         TypeError: activation_quant not a bool.
         FileNotFoundError: no checkpoint at `path`.

@@ -23,8 +23,8 @@ The definitions, from the producers' own code:
       x / s clamped to +-448, cast to FP8.
 
 Scales are computed in fp32 whatever x's dtype (vLLM's kernels do; the compressed-tensors package computes them
-in x's dtype, so on a bf16 torch model its scales are bf16-rounded: an fp32 reference is equal, a bf16 one within
-a bf16 ulp of each scale). "token" and "group" scales depend on a row alone, so a token's output does not depend
+in x's dtype, so on a bf16 torch model its scales are bf16-rounded: an fp32 reference is equal, a bf16 one differs
+by that rounding of each scale). "token" and "group" scales depend on a row alone, so a token's output does not depend
 on the other rows of its batch (speculative verification and plain decoding see the same function); a dynamic
 "tensor" scale is the whole input's and does.
 """
