@@ -18,9 +18,10 @@ The definitions, from the producers' own code:
       then torch.round (half to even) for INT8 or a cast to float8_e4m3fn (round to nearest even) for FP8,
       times s.
   block FP8 (vLLM vllm/model_executor/layers/quantization/utils/fp8_utils.py `per_token_group_quant_fp8`,
-      group = weight_block_size[1]; transformers 5.x's FP8Linear leaves it to its hub kernel,
-      kernels-community/finegrained-fp8, not installed here): s = max(max |x| over the group, 1e-10) / 448,
-      x / s clamped to +-448, cast to FP8.
+      group = weight_block_size[1]): s = max(max |x| over the group, 1e-10) / 448, x / s clamped to +-448, cast
+      to FP8. transformers 5.x's FP8Linear runs the hub kernel kernels-community/finegrained-fp8 (not installed
+      here), whose `fp8_act_quant` read as public code computes s = max |x| / 448 and x / max(s, 1e-12): the
+      same wherever max |x| > 4.5e-10.
 
 Scales are computed in fp32 whatever x's dtype (vLLM's kernels do; the compressed-tensors package computes them
 in x's dtype, so on a bf16 torch model its scales are bf16-rounded: an fp32 reference is equal, a bf16 one differs
