@@ -107,20 +107,31 @@ def reference_model(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def write_compressed_tensors(model, path: Path, preset: str, fmt: str, **weight_args) -> Path:
+def write_compressed_tensors(model, path: Path, preset: str, fmt: str, activations: bool = False,
+                             calibration: list[int] | None = None, **weight_args) -> Path:
     """compressed-tensors as llm-compressor saves it: the package's preset scheme `preset` (e.g. "FP8_DYNAMIC",
-    "INT8_W8A8", "W4A16", "W4A16_ASYM"; `weight_args` override its weight arguments, e.g. group_size=32), scales
+    "W8A8", "W4A16", "W4A16_ASYM"; `weight_args` override its weight arguments, e.g. group_size=32), scales
     and zero points from each weight's min / max by the package's `calculate_qparams`, the weight compressed by
-    the package's compressor for `fmt` ("float-quantized", "int-quantized", "pack-quantized"). The preset's
-    activation quantization is dropped: the reference then runs the weights alone, as specjax does."""
+    the package's compressor for `fmt` ("float-quantized", "int-quantized", "pack-quantized").
+
+    activations=False drops the preset's activation quantization (a weight-only checkpoint). True keeps it in the
+    config; a static one (the "FP8" preset: per tensor, `dynamic: false`) gets each linear's `input_scale` from
+    the min / max of its input over the `calibration` tokens (`calculate_qparams` again, as llm-compressor's
+    static min-max observer ends up)."""
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     scheme.weights = scheme.weights.model_copy(update=weight_args)
-    scheme.input_activations = None  # weight-only: specjax does not quantize activations (convert/quantized.py)
+    if not activations:
+        scheme.input_activations = None
     scheme.format = fmt
+    input_scales = {}
+    act = scheme.input_activations
+    if act is not None and not act.dynamic:
+        input_scales = {f"{m}.input_scale": calculate_qparams(lo, hi, act)[0].float()
+                        for m, (lo, hi) in input_ranges(model, calibration).items()}
     args = scheme.weights
     compressor = BaseCompressor.get_value_from_registry(fmt)
 
@@ -141,13 +152,29 @@ def write_compressed_tensors(model, path: Path, preset: str, fmt: str, **weight_
         scale, zero = calculate_qparams(lo, hi, args)
         state = {"weight": w, "weight_scale": scale.float(), "weight_zero_point": zero}
         module = name[: -len(".weight")]
-        return {f"{module}.{k}": v for k, v in compressor.compress(state, scheme).items()}
+        out = {f"{module}.{k}": v for k, v in compressor.compress(state, scheme).items()}
+        return out | ({f"{module}.input_scale": input_scales[f"{module}.input_scale"]} if input_scales else {})
 
     save_hf_model(model, path, torch.bfloat16)
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
                             quantization_status="compressed").model_dump(mode="json")
     qc["quant_method"] = "compressed-tensors"
     return rewrite(path, quantize, qc)
+
+
+def input_ranges(model, tokens: list[int]) -> dict[str, tuple]:
+    """(min, max) of each decoder-layer linear's input over one forward of `tokens` (forward pre-hooks)."""
+    ranges, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and LINEAR.fullmatch(f"{name}.weight"):
+            def hook(module, args, name=name):
+                ranges[name] = (args[0].amin().reshape(1), args[0].amax().reshape(1))
+            hooks.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model.float()(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return ranges
 
 
 def write_awq(model, path: Path, group: int = 32) -> Path:

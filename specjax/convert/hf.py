@@ -53,13 +53,15 @@ _SHOWN_NAMES = 8  # an error lists at most this many tensor names
 logger = logging.getLogger("specjax")
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: dict | None = None) -> dict:
+def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: dict | None = None,
+                 activation_quant: bool = True) -> dict:
     """Map HF tensor names to the specjax param tree, checking every name and shape.
 
     MTP tensors become `params["mtp"]` (convert/mtp.py; `hf_config` gives their layer count).
+    activation_quant=False: a W8A8 checkpoint's activation quantization is not read (convert/quantized.py).
     Raises ValueError naming any other tensor the config does not account for (see the module docstring).
     """
-    params, used = take_params(tensors, cfg, read_scheme(hf_config or {}))
+    params, used = take_params(tensors, cfg, read_scheme(hf_config or {}, activation_quant))
     if cfg.is_hybrid:  # a multimodal checkpoint's vision tower: specjax runs the text model only
         vision = [n for n in tensors if n.startswith(VISION_PREFIX)]
         if vision:
@@ -71,7 +73,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, hf_config: di
         groups = split_known_extras(leftover, cfg)
         if groups["unknown"]:
             raise ValueError(describe_unaccounted({"unknown": groups["unknown"]}, cfg))
-        params["mtp"] = read_mtp(tensors, groups["mtp"], cfg, hf_config or {})
+        params["mtp"] = read_mtp(tensors, groups["mtp"], cfg, hf_config or {}, activation_quant)
     return params
 
 
@@ -199,15 +201,17 @@ def _config_hints(names: list[str], cfg: ModelConfig) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def load_hf(model_dir: Path, dtype: str | None = None, lazy: bool = False) -> tuple[dict, ModelConfig, dict]:
+def load_hf(model_dir: Path, dtype: str | None = None, lazy: bool = False, activation_quant: bool = True
+            ) -> tuple[dict, ModelConfig, dict]:
     """(raw config.json dict, ModelConfig, host params) from a Hugging Face model directory.
 
     The params carry `mtp` when the checkpoint has MTP layers (`specjax.load` keeps them apart).
     lazy: the params are views that read their elements when indexed (convert/lazy.py; each device's slice of a
-    weight for a mesh), else numpy arrays read whole.
+    weight for a mesh), else numpy arrays read whole. activation_quant: read a W8A8 checkpoint's activation
+    quantization (convert/quantized.py), else its weights alone.
     """
     hf_cfg = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_cfg, dtype=dtype)
     files = safetensors_files(model_dir)
-    params = hf_to_params(LazyTensors(files) if lazy else read_tensors(files), cfg, hf_cfg)
+    params = hf_to_params(LazyTensors(files) if lazy else read_tensors(files), cfg, hf_cfg, activation_quant)
     return hf_cfg, cfg, params

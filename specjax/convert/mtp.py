@@ -165,13 +165,14 @@ _MIMO_LAYER = re.compile(r"model\.mtp_layers\.(\d+)\.")
 MIMO_PREFIX = "model.mtp_layers."
 
 
-def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig, hf: dict) -> dict:
+def read_mtp(tensors: dict[str, np.ndarray], names: list[str], cfg: ModelConfig, hf: dict,
+             activation_quant: bool = True) -> dict:
     """The stored MTP params (module docstring) from the checkpoint's MTP tensor `names`.
 
     ValueError naming the tensor for a missing or mis-shaped one, for MTP tensors specjax does not
     know (an MoE or MLA block, say), and for a layer count that disagrees with config.json.
     """
-    reader = _Reader(tensors, cfg, read_scheme(hf))
+    reader = _Reader(tensors, cfg, read_scheme(hf, activation_quant))
     qwen = [n for n in names if n.startswith("mtp.")]
     mimo = [n for n in names if n.startswith(MIMO_PREFIX)]
     deepseek = [n for n in names if not n.startswith(("mtp.", MIMO_PREFIX))]

@@ -23,8 +23,13 @@ names (`re:` patterns included) must be stored plain.
   GPTQ: `qweight` int32 [I / 8, O] packed along the input, `qzeros` packed along the output (v1 stores zero - 1,
       `checkpoint_format` "gptq_v2" the zero itself), `scales` [groups, O], `g_idx` [I] (act-order).
 
-Activation quantization (FP8 / INT8 W8A8's `input_scale`, dynamic per-token scales) is not applied: specjax runs
-weight-only, the dequantized model's numbers, what transformers computes when it loads these on a CPU.
+Activation quantization (W8A8) is read too, per linear, into the weight's `activations` spec (quant/activations.py
+defines it and cites each producer): compressed-tensors' `input_activations` of the module's config group (8-bit
+int or float, symmetric; dynamic per token, per tensor or per group, or static per tensor with the module's
+`input_scale` beside it), and block FP8's `activation_scheme: "dynamic"` (FP8 per token per group of the weight
+block's input size, vLLM's per_token_group_quant_fp8; transformers' FineGrainedFP8Config defaults the key to
+"dynamic"). Anything else declared for activations is refused by name unless the load turns activation
+quantization off (`QuantScheme.activation_quant`; specjax.load's `activation_quant=False`: the weights alone).
 Everything is read into `QuantizedWeight` (quant/qarray.py) in specjax's [in, out] layout.
 """
 
@@ -39,6 +44,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from specjax.quant.activations import Activations
 from specjax.quant.qarray import QuantizedWeight, is_quantized, take_columns
 
 SUPPORTED = ("fp8", "compressed-tensors", "awq", "gptq")
@@ -60,10 +66,12 @@ logger = logging.getLogger("specjax")
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    """What config.json declares: the method, the modules left unquantized, and the method's own fields."""
+    """What config.json declares: the method, the modules left unquantized, and the method's own fields;
+    activation_quant=False reads the weights alone, whatever the config says of activations."""
     method: str
     ignore: tuple[str, ...]
     config: dict = dataclasses.field(hash=False, compare=False)
+    activation_quant: bool = True
 
     def ignored(self, module: str) -> bool:
         """True when the config says `module` (e.g. 'model.layers.0.mlp.down_proj') is left unquantized."""
@@ -77,11 +85,15 @@ class QuantScheme:
 
     def group_weights(self, module: str) -> dict:
         """compressed-tensors: the `weights` arguments of the config group whose targets cover this linear."""
+        return self.group(module).get("weights") or {}
+
+    def group(self, module: str) -> dict:
+        """compressed-tensors: the config group whose targets cover this linear."""
         for name, group in self.config.get("config_groups", {}).items():
             targets = group.get("targets", [])
             if any(t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) or module.endswith(t)
                    for t in targets):
-                return group.get("weights") or {}
+                return group
         raise ValueError(f"no compressed-tensors config group targets '{module}' (config_groups "
                          f"{list(self.config.get('config_groups', {}))}), yet it is stored quantized")
 
@@ -105,8 +117,9 @@ def bytes_per_weight(scheme: QuantScheme) -> float:
                                             if per_scale else 0)
 
 
-def read_scheme(hf_cfg: dict) -> QuantScheme | None:
-    """The quantization config.json declares (None: a plain checkpoint); an unsupported method is refused by name."""
+def read_scheme(hf_cfg: dict, activation_quant: bool = True) -> QuantScheme | None:
+    """The quantization config.json declares (None: a plain checkpoint); an unsupported method is refused by name.
+    activation_quant=False: W8A8 activations are not read (the weights alone)."""
     qc = hf_cfg.get("quantization_config") or hf_cfg.get("compression_config")
     if qc is None:
         return None
@@ -130,7 +143,7 @@ def read_scheme(hf_cfg: dict) -> QuantScheme | None:
     if method in ("awq", "gptq") and qc.get("bits", 4) not in ((4,) if method == "awq" else (4, 8)):
         raise ValueError(f"{method} with bits={qc.get('bits')} is not read by specjax (AWQ: 4; GPTQ: 4 or 8)")
     ignore = qc.get("ignore") or qc.get("modules_to_not_convert") or ()
-    return QuantScheme(method, tuple(ignore), qc)
+    return QuantScheme(method, tuple(ignore), qc, activation_quant)
 
 
 def swap_last(x):
@@ -186,7 +199,7 @@ def read_fused_experts(tensors, name: str, scheme: QuantScheme, compute_dtype: s
                          "it: the config and the checkpoint disagree")
     qw = QuantizedWeight(swap_last(np.asarray(values)), swap_last(scale), block=(bi, bo), fmt=f"fp8 block [{bo}, {bi}]",
                          compute_dtype=compute_dtype)
-    return qw, [name, scale_name]
+    return with_activations(qw, {}, module, scheme), [name, scale_name]
 
 
 def split_columns(w: QuantizedWeight | np.ndarray, split: Callable[[np.ndarray], tuple], name: str) -> tuple:
@@ -241,7 +254,56 @@ def read_linear(tensors, module: str, scheme: QuantScheme, compute_dtype: str) -
     if scheme.ignored(module):
         raise ValueError(f"'{module}' is stored quantized but config.json's ignore / modules_to_not_convert lists "
                          "it: the config and the checkpoint disagree")
-    return qw, [f"{module}.{s}" for s in got]
+    return with_activations(qw, got, module, scheme), [f"{module}.{s}" for s in got]
+
+
+def with_activations(qw: QuantizedWeight, got: dict, module: str, scheme: QuantScheme) -> QuantizedWeight:
+    """`qw` with the activation quantization the config declares for `module` (module docstring), and a static
+    spec's `input_scale` from `got`; `qw` itself when none is declared or scheme.activation_quant is False."""
+    spec = activation_spec(scheme, module) if scheme.activation_quant else None
+    if spec is None:
+        return qw
+    input_scale = None
+    if spec.static:
+        if "input_scale" not in got:
+            raise ValueError(f"'{module}' has static activation quantization ({spec.name}) but no "
+                             f"'{module}.input_scale' beside its weight: the checkpoint is incomplete")
+        input_scale = np.asarray(got["input_scale"], np.float32)
+        check_shape(f"{module}.input_scale", input_scale.reshape(-1), (1,), "a per-tensor activation scale")
+        input_scale = input_scale.reshape(())
+    return dataclasses.replace(qw, activations=spec, input_scale=input_scale)
+
+
+def activation_spec(scheme: QuantScheme, module: str) -> Activations | None:
+    """The activation quantization config.json declares for the quantized linear `module`, None for none; what
+    specjax does not compute is refused, naming the field and the way out (activation_quant=False)."""
+    off = "; load with activation_quant=False to run the weights alone (weight-only numbers)"
+    if scheme.method == "fp8":
+        how = scheme.config.get("activation_scheme", "dynamic")  # transformers' FineGrainedFP8Config default
+        block = scheme.config.get("weight_block_size")
+        if how != "dynamic" or not block:
+            raise ValueError(f"block FP8 with activation_scheme {how!r} and weight_block_size {block} is not "
+                             f"computed by specjax (it quantizes activations for 'dynamic' with a block size){off}")
+        return Activations("fp8", "group", group=int(block[1]), divisor=448.0, min_amax=1e-10)
+    if scheme.method != "compressed-tensors":
+        return None
+    group = scheme.group(module)
+    act = group.get("input_activations")
+    if group.get("output_activations"):
+        raise ValueError(f"compressed-tensors output_activations (config group targeting '{module}') are not "
+                         f"computed by specjax{off}")
+    if not act:
+        return None
+    kind = {("int", 8): "int8", ("float", 8): "fp8"}.get((act.get("type"), act.get("num_bits")))
+    strategy, dynamic = act.get("strategy"), act.get("dynamic")
+    if (kind is None or not act.get("symmetric", True) or act.get("scale_dtype") is not None
+            or strategy not in ("token", "tensor", "group") or dynamic not in (True, False)
+            or (not dynamic and strategy != "tensor")):
+        raise ValueError(f"compressed-tensors input_activations {act} (config group targeting '{module}') are not "
+                         "computed by specjax (it computes symmetric int8 / float8, dynamic per token, tensor or "
+                         f"group, or static per tensor){off}")
+    return Activations(kind, strategy, group=int(act.get("group_size") or 0) if strategy == "group" else 0,
+                       static=not dynamic, divisor=127.5 if kind == "int8" else 448.0)
 
 
 def check_shape(name: str, array, want: tuple[int, ...], why: str) -> None:
@@ -421,7 +483,7 @@ def uniform_weights(values: list, dtype) -> list:
     """Weights to stack (one per layer, or one per expert) made stackable: a weight quantized in some entries only
     (a tool that left a layer or an expert plain), or in different formats, is dequantized to `dtype` in every one."""
     quantized = [isinstance(v, QuantizedWeight) for v in values]
-    if any(quantized) and (not all(quantized) or len({(v.block, v.fmt, v.q.dtype, v.zero is None, v.g_idx is None)
-                                                      for v in values}) > 1):
+    if any(quantized) and (not all(quantized) or len({(v.block, v.fmt, v.q.dtype, v.zero is None, v.g_idx is None,
+                                                       v.activations, v.input_scale is None) for v in values}) > 1):
         return [v.dequantize(dtype) if isinstance(v, QuantizedWeight) else v for v in values]
     return list(values)

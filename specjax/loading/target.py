@@ -39,7 +39,7 @@ def _read_tokenizer(path: Path) -> Tokenizer | None:
 
 def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto", layout: str = "auto", mesh=None,
          tensor_parallel: int | None = None, rules: dict | None = None, dequantize: bool = False,
-         quantized_matmul: str = "blocks") -> Target:
+         quantized_matmul: str = "blocks", activation_quant: bool = True) -> Target:
     """Load a converted specjax checkpoint or a Hugging Face model directory.
 
     A quantized checkpoint (block FP8, compressed-tensors, AWQ, GPTQ: convert/quantized.py) keeps its weights
@@ -59,13 +59,20 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
             each block times its scale), "ktile" (one dot per 128-row input block, each partial product scaled),
             or "per_channel" (opt-in, changes the numbers: FP8 block weights re-quantized at load to one scale per
             output column; docs/quantization.md reports its error).
+        activation_quant: for a W8A8 checkpoint (compressed-tensors `input_activations`, block FP8's
+            `activation_scheme: "dynamic"`), quantize each quantized linear's input as the format says (the
+            default: what the format computes, quant/activations.py); False runs the weights alone (weight-only
+            numbers, what transformers' CPU load of block FP8 computes). The exact mode (dequantize=True) runs the
+            dequantized model, without activation quantization.
 
     Returns:
         A `Target`.
 
     Raises:
         ValueError: an architecture or config field specjax does not implement (named), a tensor the config does not
-            account for, a bad dtype / attn_impl / layout, or a mesh that does not fit.
+            account for, a bad dtype / attn_impl / layout, an activation quantization specjax
+            does not compute (named; activation_quant=False loads the weights alone), or a mesh that does not fit.
+        TypeError: activation_quant not a bool.
         FileNotFoundError: no checkpoint at `path`.
 
     Example:
@@ -82,6 +89,9 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
     if attn_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"attn_impl must be 'xla', 'pallas' or 'auto', got {attn_impl!r}")
     check_matmul(quantized_matmul)
+    if not isinstance(activation_quant, bool):
+        raise TypeError(f"activation_quant must be True (quantize a W8A8 checkpoint's activations as its format "
+                        f"says) or False (its weights alone), got {activation_quant!r}")
     mesh = resolve_mesh(mesh, tensor_parallel, rules)
     if checkpoint.is_checkpoint(path):
         hf_config, meta = checkpoint.read_configs(path)
@@ -91,7 +101,8 @@ def load(path: str | Path, *, dtype: str | None = None, attn_impl: str = "auto",
         else:
             params = restore_sharded(path, cfg, mesh, rules)
     else:
-        hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None)
+        hf_config, cfg, params = load_hf(path, dtype=dtype, lazy=mesh is not None,
+                                         activation_quant=activation_quant and not dequantize)
         if dequantize:
             params = dequantize_tree(params, cfg.dtype)
         params = with_matmul(params, quantized_matmul)
@@ -190,7 +201,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str | None = None, overw
         raise ValueError(f"{src} is already a specjax checkpoint (it has {checkpoint.MARKER}): load it with "
                          f"specjax.load; to change its dtype, load(path, dtype=...) or convert its Hugging Face source")
     _check_dtype(dtype)
-    hf_config, cfg, host_params = load_hf(src, dtype=dtype)
+    hf_config, cfg, host_params = load_hf(src, dtype=dtype, activation_quant=False)  # written dequantized
     host_params = dequantize_tree(host_params, cfg.dtype)
     return checkpoint.save(dst, host_params, hf_config, dtype=cfg.dtype, extra_files=checkpoint.tokenizer_files(src),
                            meta={"source": str(src.absolute())}, overwrite=overwrite)

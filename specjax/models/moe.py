@@ -23,6 +23,10 @@ scripts/bench_moe.py measures where they cross on this CPU.
 Experts read from a quantized checkpoint stay quantized ([E, ...] `QuantizedWeight`s, specjax/quant): the gather
 and sorted paths index the blocks' experts first and dequantize only those, inside the trace, so a step reads
 the quantized bytes of the experts it uses; "ragged" dequantizes every expert (it reads every expert anyway).
+Their W8A8 activation rounding (quant/activations.py), which `x @ w` applies itself, the batched paths apply to
+each block's or row's input before multiplying the dequantized experts (`rounded_input`), so every path computes
+the same numbers. A dynamic per-tensor scale is taken over the input a matmul sees (a block, or every slot), not
+per expert.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from specjax import kernels
 from specjax.config import ModelConfig, MoeConfig
 from specjax.models.layers import normal, param, swiglu
 from specjax.models.sharding import active_mesh, axis_size, split
+from specjax.quant.activations import fake_quantize
 from specjax.quant.qarray import is_quantized
 
 # Slots (tokens x k) up to which "auto" runs the gather path: one token at Qwen3-30B-A3B's k = 8 (decode at
@@ -80,6 +85,16 @@ def dense(w, dtype) -> jax.Array:
     return w.dequantize(dtype) if is_quantized(w) else w
 
 
+def rounded_input(x: jax.Array, w, expert_rows: jax.Array | None = None) -> jax.Array:
+    """x as experts `w` (quantized [E or B, ...]) round their input under W8A8 (quant/activations.py), x itself
+    for weights without activation quantization. A static `input_scale` [E or B] applies per leading entry of x
+    ([B, R, D] blocks), or per row by `expert_rows` (each row's expert: the ragged path's [S, D] rows)."""
+    if not is_quantized(w) or w.activations is None:
+        return x
+    scale = w.input_scale if w.input_scale is None or expert_rows is None else w.input_scale[expert_rows]
+    return fake_quantize(x, w.activations, scale)
+
+
 def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, w_down_EID,
                    used_blocks: jax.Array | int | None = None) -> jax.Array:
     """Block b's rows through expert expert_B[b]'s SwiGLU: [B, R, D] -> [B, R, D]. Blocks from `used_blocks` on
@@ -100,9 +115,10 @@ def expert_matmuls(x_BRD: jax.Array, expert_B: jax.Array, w_gate_EDI, w_up_EDI, 
 
         used = x_BRD.shape[0] if used_blocks is None else used_blocks
         return lax.fori_loop(0, used, block, jnp.zeros_like(x_BRD))
-    gate_BDI, up_BDI, down_BID = (dense(w[expert_B], x_BRD.dtype) for w in (w_gate_EDI, w_up_EDI, w_down_EID))
-    hidden_BRI = jax.nn.silu(jnp.einsum("brd,bdi->bri", x_BRD, gate_BDI)) * jnp.einsum("brd,bdi->bri", x_BRD, up_BDI)
-    return jnp.einsum("bri,bid->brd", hidden_BRI, down_BID)
+    gate, up, down = (w[expert_B] for w in (w_gate_EDI, w_up_EDI, w_down_EID))
+    hidden_BRI = (jax.nn.silu(jnp.einsum("brd,bdi->bri", rounded_input(x_BRD, gate), dense(gate, x_BRD.dtype)))
+                  * jnp.einsum("brd,bdi->bri", rounded_input(x_BRD, up), dense(up, x_BRD.dtype)))
+    return jnp.einsum("bri,bid->brd", rounded_input(hidden_BRI, down), dense(down, x_BRD.dtype))
 
 
 def gather_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EID) -> jax.Array:
@@ -191,9 +207,12 @@ def ragged_experts(x_ND, weights_NK, experts_NK, w_gate_EDI, w_up_EDI, w_down_EI
     token_S = order_S // k
     sizes_E = jnp.bincount(flat_S, length=w_gate_EDI.shape[0]).astype(jnp.int32)
     x_SD = x_ND[token_S]
-    w_gate_EDI, w_up_EDI, w_down_EID = (dense(w, x_SD.dtype) for w in (w_gate_EDI, w_up_EDI, w_down_EID))
-    hidden_SI = jax.nn.silu(lax.ragged_dot(x_SD, w_gate_EDI, sizes_E)) * lax.ragged_dot(x_SD, w_up_EDI, sizes_E)
-    out_SD = lax.ragged_dot(hidden_SI, w_down_EID, sizes_E) * weights_NK.reshape(-1)[order_S][:, None]
+    expert_S = flat_S[order_S]
+    gate_EDI, up_EDI, down_EID = (dense(w, x_SD.dtype) for w in (w_gate_EDI, w_up_EDI, w_down_EID))
+    hidden_SI = (jax.nn.silu(lax.ragged_dot(rounded_input(x_SD, w_gate_EDI, expert_S), gate_EDI, sizes_E))
+                 * lax.ragged_dot(rounded_input(x_SD, w_up_EDI, expert_S), up_EDI, sizes_E))
+    out_SD = (lax.ragged_dot(rounded_input(hidden_SI, w_down_EID, expert_S), down_EID, sizes_E)
+              * weights_NK.reshape(-1)[order_S][:, None])
     return jnp.zeros((n, x_ND.shape[1]), out_SD.dtype).at[token_S].add(out_SD)
 
 

@@ -212,7 +212,7 @@ def quantized_specs(names: tuple, qw: QuantizedWeight, mesh, counts: dict[str, i
     each scale (and zero point) split with its block. A dimension is split only where every device's slice holds
     whole blocks (else it stays whole, values and scales); a dimension with one scale (per channel, per tensor)
     keeps its scales replicated; with a g_idx (GPTQ act-order) any row may use any group, so scales stay whole
-    along the input."""
+    along the input. A static activation scale (one number a matrix) is replicated."""
     spec = list(partition_spec(names, qw.shape, mesh, counts, rules))
     nd = len(spec)
     blocks = (1,) * (nd - 2) + tuple(qw.block)
@@ -226,7 +226,8 @@ def quantized_specs(names: tuple, qw: QuantizedWeight, mesh, counts: dict[str, i
         else:
             q_spec[d] = None
     return dataclasses.replace(qw, q=P(*q_spec), scale=P(*s_spec), zero=None if qw.zero is None else P(*s_spec),
-                               g_idx=None if qw.g_idx is None else P(*q_spec[:-1]))
+                               g_idx=None if qw.g_idx is None else P(*q_spec[:-1]),
+                               input_scale=None if qw.input_scale is None else P())
 
 
 def replicated(params, mesh: Mesh):

@@ -9,9 +9,9 @@ an optional `zero` point of the same shape (asymmetric integer formats: w = (q -
   per-tensor:                         block (I, O)
   grouped INT4 / INT8 (AWQ, GPTQ, compressed-tensors pack-quantized): block (group, 1)
 
-It is a pytree (leaves q, scale, zero, g_idx; block and compute dtype static), so it sits where a weight array
-sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by `lax.scan`, a leaf
-placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__` dequantizes in the
+It is a pytree (leaves q, scale, zero, g_idx, input_scale; block, compute dtype, activations static), so it sits
+where a weight array sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by
+`lax.scan`, a leaf placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__` dequantizes in the
 activation's dtype inside the trace (the whole weight's meaning: each block times its own scale, so 128 x 128
 block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it;
 traced for a GPU, a 2-D block-FP8 weight runs the fused Pallas kernel instead (kernels/fp8_matmul.py: XLA does
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels
+from specjax.quant.activations import Activations, fake_quantize
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +47,9 @@ class QuantizedWeight:
     # "blocks": dequantize the weight (each block times its scale), then one dot; "ktile": one dot per input block,
     # each [..., O] partial product scaled by its blocks' scales, then summed (MATMULS; opt-in, specjax.load)
     matmul: str = dataclasses.field(default="blocks", metadata=dict(static=True))
+    # W8A8: how the input is quantized before the matmul (quant/activations.py); None: it is not (weight-only)
+    activations: Activations | None = dataclasses.field(default=None, metadata=dict(static=True))
+    input_scale: jax.Array | None = None  # [...] (the weight's leading shape): a static activation scale
 
     # ---- array-like facts, so code that asks a weight its shape or dtype keeps working ----
     @property
@@ -77,7 +81,11 @@ class QuantizedWeight:
         the input, no g_idx) the K-tile form instead. Traced for a GPU, a 2-D block-FP8 weight (no zero point or
         g_idx; a stacked weight is 2-D inside the layer scan) with the default matmul="blocks" runs the fused Pallas
         kernel `kernels.block_fp8_matmul` instead: XLA writes the dequantized weight to memory before its GEMM
-        (docs/quantization.md), the kernel converts the FP8 tiles in registers. The CPU path is unchanged."""
+        (docs/quantization.md), the kernel converts the FP8 tiles in registers. The CPU path is unchanged.
+        With `activations` set (W8A8), x is first quantized as the format says and scaled back (fake quantization,
+        quant/activations.py), then either path multiplies it: the kernel takes that x as it takes any."""
+        if self.activations is not None:
+            x = fake_quantize(x, self.activations, self.input_scale)
         if self.matmul == "ktile" and self.q.ndim == 2 and self.g_idx is None and self.scale.shape[0] > 1:
             return self.ktile_matmul(x)
         if (self.matmul == "blocks" and self.q.ndim == 2 and self.zero is None and self.g_idx is None
@@ -153,11 +161,13 @@ def dequantize_tree(tree, dtype=None):
 
 
 def quantized_formats(tree) -> list[str]:
-    """The distinct formats of a params tree's quantized weights, in order of first appearance."""
+    """The distinct formats of a params tree's quantized weights, in order of first appearance (with their
+    activation quantization, e.g. "int8 per channel, activations int8 dynamic per token")."""
     seen: list[str] = []
-    for x in jax.tree.leaves(tree, is_leaf=is_quantized):
-        if is_quantized(x) and x.fmt not in seen:
-            seen.append(x.fmt)
+    for x in filter(is_quantized, jax.tree.leaves(tree, is_leaf=is_quantized)):
+        name = x.fmt + (f", activations {x.activations.name}" if x.activations else "")
+        if name not in seen:
+            seen.append(name)
     return seen
 
 

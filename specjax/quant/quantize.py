@@ -79,7 +79,7 @@ def requantize_per_channel(w: QuantizedWeight) -> QuantizedWeight:
     scale = np.maximum(np.max(np.abs(exact), axis=-2, keepdims=True), 1e-12) / FP8_MAX  # [..., 1, O]
     q = (exact / scale).astype(ml_dtypes.float8_e4m3fn)
     return QuantizedWeight(q, scale, block=(w.shape[-2], 1), fmt=f"fp8 per channel (re-quantized from {w.fmt})",
-                           compute_dtype=w.compute_dtype)
+                           compute_dtype=w.compute_dtype, activations=w.activations, input_scale=w.input_scale)
 
 
 def check_matmul(mode: str) -> None:
