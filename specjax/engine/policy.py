@@ -17,9 +17,11 @@ Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / roun
   for them (sums, older chunks forgotten, FORGET a chunk at that bucket; a clean chunk counts as realized, its time
   being the round cost's own sample), shrunk toward 1 by PRIOR_CHUNKS chunks' worth of belief. It carries the work
   the round cost leaves out, which running requests bring: prefills, prompt pieces and catch-ups between chunks (a
-  draft model's prefill and catch-up are its shapes' alone), which under churn precede almost every chunk. A shape never run at a bucket keeps factor 1 (the model's word), so when the shape in use
-  realizes less than another is predicted to give, that one gets tried and measured too; as a shape's evidence
-  ages while others run, its factor returns toward 1 and it is tried again.
+  draft model's prefill and catch-up are its shapes' alone), which under churn precede almost every chunk. A shape
+  never run at a bucket keeps factor 1 (the model's word) until it is tried there: when the shape in use realizes
+  less than it is predicted to give, or by exploration (`LoadPolicy.explore`: once the shape in use is measured at
+  a bucket, a shape predicted within EXPLORE_WITHIN of the best and not measured there runs EXPLORE_CHUNKS chunks;
+  as evidence ages, tried again).
 Hysteresis, in size and in time: the shape in use is kept while its prediction is within `hysteresis` of the best,
 and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
 joining and leaving (a bucket boundary crossed back and forth) or one noisy chunk time does not flip it. A shape in
@@ -50,8 +52,10 @@ MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a
 DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
 DROP_CHUNKS = 300  # chunks at a bucket a drop lasts
 EMA = 0.2  # weight of a new chunk in the running averages
-FORGET = 0.998  # per chunk at a bucket: how much of each shape's realization evidence there is kept
-PRIOR_CHUNKS = 4.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
+FORGET = 0.999  # per chunk at a bucket: how much of each shape's realization evidence there is kept
+PRIOR_CHUNKS = 2.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
+EXPLORE_CHUNKS = 6  # chunks a shape runs when tried at a bucket (LoadPolicy.explore)
+EXPLORE_WITHIN = 0.8  # tried only if predicted within this share of the best shape
 DWELL = 3  # choices in a row a challenger must lead by more than the hysteresis before it replaces the shape in use
 
 
@@ -96,6 +100,7 @@ class LoadPolicy:
     def __init__(self, labels: list[str], specs: dict, hysteresis: float = 0.05, dwell: int = DWELL):
         self.labels, self.specs, self.hysteresis, self.dwell = list(labels), dict(specs), hysteresis, dwell
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
+        self.exploring: tuple[int, str] | None = None  # (bucket, shape) being tried (explore)
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
         self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # every chunk's tokens/row/s
         self.clean_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # those with no prefill before them
@@ -175,8 +180,11 @@ class LoadPolicy:
             return current if current in unknown else unknown[0]
         best = max(scores, key=scores.get)
         if current not in scores:  # nothing in use yet, or the shape in use was dropped at this bucket
-            self.challenger, self.streak = None, 0
+            self.challenger, self.streak, self.exploring = None, 0, None
             return best
+        explored = self.explore(nb, current, scores)
+        if explored is not None:
+            return explored
         if scores[current] >= (1 - self.hysteresis) * scores[best]:
             self.challenger, self.streak = None, 0
             return current
@@ -186,6 +194,27 @@ class LoadPolicy:
             return current
         self.challenger, self.streak = None, 0
         return best
+
+    def explore(self, nb: int, current: str, scores: dict) -> str | None:
+        """The shape to try at bucket nb (None: choose as usual). Once the shape in use has EXPLORE_CHUNKS / 2
+        chunks of evidence here, a shape with less than that whose prediction is within EXPLORE_WITHIN of the best
+        runs for EXPLORE_CHUNKS chunks, so its realization factor is measured rather than assumed: the round cost
+        warmup timed on dummy rows can misjudge a shape at this bucket (it priced off 15% dear against its realized
+        rate at 8 rows with a draft model), and a shape the model underrates would otherwise never run there. As
+        evidence ages (FORGET) a shape falls below the threshold and is tried again."""
+        if self.exploring == (nb, current) and self.realized[(nb, current)].chunks < EXPLORE_CHUNKS:
+            return current
+        self.exploring = None
+        if self.realized[(nb, current)].chunks < EXPLORE_CHUNKS / 2:
+            return None
+        top = max(scores.values())
+        untried = [label for label, score in scores.items()
+                   if self.realized[(nb, label)].chunks < EXPLORE_CHUNKS / 2 and score >= EXPLORE_WITHIN * top]
+        if not untried:
+            return None
+        label = max(untried, key=scores.get)
+        self.exploring, self.challenger, self.streak = (nb, label), None, 0
+        return label
 
     def record(self, nb: int, live: int, label: str, rounds: int, tokens: int, seconds: float,
                clean: bool = True) -> None:
