@@ -225,7 +225,8 @@ class Engine:
         self._executables: dict[tuple, Any] = {}
         self.warmed_up = False
         self._warmup_requested: threading.Event | None = None
-        self._last_read: float | None = None  # when the host last finished reading a chunk (its device time's start)
+        self._last_read: float | None = None  # when the host last finished reading a chunk (the next chunk's time
+        # starts there, its gap included; None after the loop idled)
         self._last_step: int | None = None  # the slots' round counter at that read
         self._depth_base = (0, 0)  # per-depth counts before the first request (warmup's dummies)
         self._last_counts = (0, 0)  # verified drafts per (depth, rank) and row-rounds at the last read: per chunk
@@ -513,6 +514,7 @@ class Engine:
                     while (not self._closed and not self._waiting and not self._inflight and not self._live_count()
                            and self._warmup_requested is None):
                         self._lock.wait()
+                        self._last_read = None  # idle: the next chunk's time starts at its dispatch
                     if self._closed:
                         break
                     warm = self._warmup_requested
@@ -837,7 +839,9 @@ class Engine:
         """Hand out one chunk's tokens; learn from its timing and acceptance."""
         out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(snap)
         now = time.perf_counter()
-        since = dispatched if self._last_read is None else max(dispatched, self._last_read)
+        # from the previous read: the host's gap work before this chunk's dispatch (admissions, a catch-up's
+        # preparation, the pipeline drained at a switch) is time the live rows waited, charged to this chunk
+        since = dispatched if self._last_read is None else self._last_read
         self._last_read = now
         tokens = 0
         for slot, a in enumerate(owners):
