@@ -245,7 +245,7 @@ class Engine:
         self._closed = False
         self._error: BaseException | None = None
         self._shape: str | None = None
-        self._rounds = 1
+        self._rounds: dict[str, int] = collections.defaultdict(lambda: 1)  # per shape: chunks of ~CHUNK_TARGET_S
         self._gap_work = 0  # prefills, prompt pieces and catch-ups dispatched since the last chunk
         self._history: list[tuple[float, int, str]] = []
         self._counters = collections.Counter({k: 0 for k in (
@@ -787,7 +787,7 @@ class Engine:
         if self.leader:
             fixed = len(self.labels) == 1
             label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
-            rounds, exit_early = self._rounds, bool(self._waiting)
+            rounds, exit_early = self._rounds[label], bool(self._waiting)
             self._send({"kind": "chunk", "label": label, "rounds": rounds, "exit_early": exit_early})
         else:  # timings and the queue are process 0's
             chunk = self._receive("chunk")
@@ -852,7 +852,7 @@ class Engine:
         self._last_step = int(step)
         if rounds > 0:
             self.policy.record(nb, live, label, rounds, tokens, now - since, clean)
-            self._rounds = next_rounds(self._rounds, rounds, now - since)
+            self._rounds[label] = next_rounds(self._rounds[label], rounds, now - since)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
         self.policy.learn(label, stats.verified_rank_DR - self._last_counts[0],
                           int(stats.row_rounds) - int(self._last_counts[1]))
