@@ -1033,8 +1033,8 @@ class Engine:
         self.axes = ops.batch_axes(small, large)
         self.dstate_axes = ops.batch_axes(small.dstate, large.dstate)
         self.cache_axes = ops.batch_axes(small.cache, large.cache)
-        self.target_axes = ops.batch_axes(self._prefill_shapes(3 * self.data, None),
-                                          self._prefill_shapes(5 * self.data, None))  # rows prefilled draftless
+        self.target_axes = self.axes if self._prefill_drafter is None else ops.batch_axes(  # rows prefilled draftless
+            self._prefill_shapes(3 * self.data, None), self._prefill_shapes(5 * self.data, None))
         for (label, sampled), drafter in self.configured.items():
             if drafter is not None and jax.tree.structure(self._prefill_shapes(self.data, drafter).dstate) != \
                     jax.tree.structure(small.dstate):

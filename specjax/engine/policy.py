@@ -76,6 +76,13 @@ class Realization:
     predicted: float = 0.0
     chunks: float = 0.0
 
+    def forget(self) -> None:
+        """Another chunk ran at this bucket: every sum keeps FORGET of itself."""
+        self.tokens, self.predicted, self.chunks = FORGET * self.tokens, FORGET * self.predicted, FORGET * self.chunks
+
+    def add(self, tokens: float, predicted: float) -> None:
+        self.tokens, self.predicted, self.chunks = self.tokens + tokens, self.predicted + predicted, self.chunks + 1
+
     def factor(self) -> float:
         """Emitted over predicted, shrunk toward 1 by PRIOR_CHUNKS chunks of belief in the model."""
         if self.predicted <= 0:
@@ -232,14 +239,9 @@ class LoadPolicy:
         modelled = self.modelled(nb, live, label)  # before this chunk's time moves the round cost
         for (b, _), evidence in self.realized.items():
             if b == nb:
-                evidence.tokens, evidence.predicted, evidence.chunks = (FORGET * evidence.tokens,
-                                                                        FORGET * evidence.predicted,
-                                                                        FORGET * evidence.chunks)
+                evidence.forget()
         if modelled is not None:  # a clean chunk's time feeds the round cost below: it realizes the model by definition
-            evidence = self.realized[(nb, label)]
-            evidence.tokens += tokens
-            evidence.predicted += tokens if clean else modelled * seconds
-            evidence.chunks += 1
+            self.realized[(nb, label)].add(tokens, tokens if clean else modelled * seconds)
         if clean:
             self.round_s[(nb, label)].add(seconds / rounds)
         rate = tokens / live / seconds

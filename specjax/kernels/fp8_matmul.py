@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .tree_attention import DEFAULT_NUM_SMS, MIN_DOT_DIM, _is_pow2, _next_pow2
+from .tree_attention import DEFAULT_NUM_SMS, MIN_DOT_DIM, _dot_precision, _is_pow2, _next_pow2
 
 MAX_BLOCK_M = 64  # rows per program; more rows -> more M blocks (each re-reads its weight tiles, from L2 mostly)
 MAX_BLOCK_K = 128  # K rows per step (the usual FP8 scale block: one scale per step)
@@ -73,9 +73,9 @@ def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], itemsize:
     """Choose the tiles. Decode (M <= 64): block_m = M rounded up to a power of 2 >= 16, block_n 64 (twice the
     programs of 128 on a bandwidth-bound GEMM). Larger M (prefill, wide verification): block_m 64, block_n 128 for
     16-bit activations (itemsize 2); fp32 keeps 64 (its IEEE dots compiled for H100 in 35-40 s at 64 x 128 x 128,
-    2 s at 64 x 64 x 128). block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the largest tile (64 x 128 x 128)
-    compiled for H100 in fp32 and, in bf16, up to 8 stages, so shared memory needs no check at these tiles (unlike
-    tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split K only while the tiles
+    2 s at 64 x 64 x 128). block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the
+    largest tile (64 x 128 x 128) compiled for H100 in fp32 and, in bf16, up to 8 stages, so shared memory needs no
+    check at these tiles (unlike tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split K only while the tiles
     alone give fewer programs than SMs, at most ceil(SMs / programs), each split walking >= 4 K blocks, and the
     fp32 partials (written and read: 8 bytes an element) within an eighth of the FP8 weight's K x N bytes."""
     bi, bo = block
@@ -128,11 +128,6 @@ def _fp8_matmul_kernel(x_ref, q_ref, scale_ref, o_ref, *, m: int, k: int, n: int
     out_ok = both(rows_ok, cols_ok)
     plgpu.store(o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
                 **({} if out_ok is None else dict(mask=out_ok)))
-
-
-def _dot_precision(dtype):
-    """HIGHEST (IEEE fp32 dots) for fp32 activations, as tree_attention: Triton's default is TF32 on Hopper."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 @functools.partial(jax.jit, static_argnames=("block", "interpret", "num_splits"))
