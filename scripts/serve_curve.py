@@ -10,7 +10,8 @@ Every server setting (--settings: off, chain:K, auto) is started first: `specjax
 machine's speed moves every setting alike): --max-concurrency C with C x --prompts-per-slot requests of the embedded
 held-out prompts, all sent at once, greedy. Each server is then stopped with SIGTERM and its exit code recorded (0
 expected). With --preset (a random target and draft model, e.g. 8b on a GPU) the engines are built and served in
-this process instead, with random prompt ids.
+this process instead, with `bench serve`'s random dataset (--input-len ids drawn from the vocabulary less its special
+tokens, sent as text) on the target's stand-in tokenizer (specjax/bench/stand_in_tokenizer.py).
 Reported per (setting, concurrency): the run with the median output throughput over the repeats; auto / off and
 auto / best fixed as the median of the ratios within each repeat; the best fixed chain at a concurrency is the
 fixed setting with the highest median output throughput there. The JSON keeps every run's vLLM metrics and the
@@ -92,7 +93,7 @@ def preset_server(args, setting: str, pair):
         engine.close()
 
 
-def replay_for(args, target, vocab: int):
+def replay_for(args, target):
     """The replay drafter over every prompt the run sends (samples_for at the largest concurrency: each smaller
     one's prompts are its first ones), drafting the target's greedy continuation right with probability ALPHA."""
     import specjax
@@ -101,9 +102,10 @@ def replay_for(args, target, vocab: int):
     kind, _, alpha = args.preset_drafter.partition(":")
     if kind != "replay" or not alpha:
         raise SystemExit(f"--preset-drafter must be 'draft' or 'replay:ALPHA', got {args.preset_drafter!r}")
-    prompts = [s.prompt for s in samples_for(args, max(args.concurrency) * args.prompts_per_slot, None, vocab)]
+    samples = samples_for(args, max(args.concurrency) * args.prompts_per_slot, target.tokenizer)
+    prompts = [target.encode(s.prompt) for s in samples]  # the ids the server reads the text as
     continuations = specjax.generate(target, prompts, max_new_tokens=args.output_len + 1, eos_token_id=[]).tokens
-    return replay_drafter(continuations, vocab, 1.0 - float(alpha), prompts=prompts)
+    return replay_drafter(continuations, target.cfg.vocab_size, 1.0 - float(alpha), prompts=prompts)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -120,17 +122,16 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     raise TimeoutError(f"the server was not ready in {timeout_s} s")
 
 
-def samples_for(args, n: int, tokenizer, vocab: int | None) -> list[datasets.Sample]:
-    """The embedded held-out prompts, or (a random preset target) random ids of --input-len."""
-    if vocab is None:
+def samples_for(args, n: int, tokenizer) -> list[datasets.Sample]:
+    """The embedded held-out prompts, or (a random preset target) `bench serve`'s random dataset: --input-len ids
+    decoded to text by the target's stand-in tokenizer. Seeded, so a smaller n gives the first prompts of a larger."""
+    if not args.preset:
         return datasets.embedded_samples(EMBEDDED_DIR / "manifest.json", tokenizer, n, args.output_len)
-    rng = np.random.default_rng(0)
-    return [datasets.Sample(rng.integers(3, vocab, args.input_len).tolist(), args.input_len, args.output_len)
-            for _ in range(n)]
+    return datasets.random_samples(tokenizer, n, args.input_len, args.output_len, range_ratio=0.0, seed=0)
 
 
-def run_once(args, setting: str, url: str, c: int, tokenizer, vocab: int | None, repeat: int) -> dict:
-    samples = samples_for(args, c * args.prompts_per_slot, tokenizer, vocab)
+def run_once(args, setting: str, url: str, c: int, tokenizer, repeat: int) -> dict:
+    samples = samples_for(args, c * args.prompts_per_slot, tokenizer)
     run = asyncio.run(benchmark(url, "/v1/completions", "tiny", samples, max_concurrency=c,
                                 sampling={"temperature": 0.0}, progress=False))
     row = {"setting": setting, "max_concurrency": c, "repeat": repeat, **metrics.calculate(run["results"],
@@ -142,14 +143,14 @@ def run_once(args, setting: str, url: str, c: int, tokenizer, vocab: int | None,
     return row
 
 
-def run_interleaved(args, servers: dict, tokenizer, vocab: int | None) -> list[dict]:
+def run_interleaved(args, servers: dict, tokenizer) -> list[dict]:
     """Every (repeat, concurrency): each setting's server loaded in turn, in a shuffled order."""
     runs = []
     for repeat in range(args.repeats):
         for c in args.concurrency:
             order = list(servers)
             np.random.default_rng(repeat * 1000 + c).shuffle(order)
-            runs += [run_once(args, setting, servers[setting], c, tokenizer, vocab, repeat) for setting in order]
+            runs += [run_once(args, setting, servers[setting], c, tokenizer, repeat) for setting in order]
     return runs
 
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(embedded("target")))
     ap.add_argument("--preset", default=None, help="a random target and draft model instead (bench spec's presets: "
                                                    "8b on a GPU; tiny20m, 300m on a CPU), served in this process")
-    ap.add_argument("--input-len", type=int, default=128, help="with --preset: random prompt ids of this length")
+    ap.add_argument("--input-len", type=int, default=128, help="with --preset: random prompts of this many tokens")
     ap.add_argument("--preset-drafter", default="draft",
                     help="with --preset: its random draft model ('draft'), or 'replay:ALPHA', the replay drafter "
                          "keyed by prompt (each draft the target's own next token with probability ALPHA, free to "
@@ -184,14 +185,14 @@ def main(argv=None) -> int:
             plot_curve(best_fixed(record["runs"]), args.plot, title=record.get("title", ""))
         return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    pair = tokenizer = vocab = None
+    pair = None
     if args.preset:
         from specjax.bench.spec import preset_pair
 
         pair = preset_pair(args.preset, None, 0, "auto")
-        vocab = pair[0].cfg.vocab_size
+        tokenizer = pair[0].tokenizer  # the random target's stand-in
         if args.preset_drafter != "draft":
-            pair = (pair[0], replay_for(args, pair[0], vocab))
+            pair = (pair[0], replay_for(args, pair[0]))
     else:
         tokenizer = datasets.load_tokenizer(args.target)
     exit_codes: dict[str, int] = {}
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         servers = {setting: stack.enter_context(preset_server(args, setting, pair) if pair else
                                                 checkpoint_server(args, setting, exit_codes))
                    for setting in args.settings.split(",")}
-        record["runs"] = run_interleaved(args, servers, tokenizer, vocab)
+        record["runs"] = run_interleaved(args, servers, tokenizer)
         out.write_text(json.dumps(record, indent=1))
     record["server_exit_codes"] = exit_codes
     curves = best_fixed(record["runs"])

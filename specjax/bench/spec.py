@@ -40,6 +40,7 @@ from flax import nnx
 
 from specjax.bench.agreement import check_agreement
 from specjax.bench.ar import GPU_PRESETS, PRESETS, machine_info, random_prompts
+from specjax.bench.stand_in_tokenizer import stand_in_tokenizer
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter, mtp, replay_drafter
 from specjax.generate import generate
@@ -206,10 +207,14 @@ def preset_pair(preset: str, dtype: str | None, seed: int, attn_impl: str) -> tu
 
 
 def random_model(hf_config: dict[str, Any], dtype: str, seed: int, attn_impl: str) -> Target:
-    """Random params for a Hugging Face config dict, as a Target (the layout load() would give)."""
+    """Random params for a Hugging Face config dict, as a Target (the layout load() would give), with a stand-in
+    tokenizer over its vocabulary (bench/stand_in_tokenizer.py) so it can be served and streamed as text."""
     cfg = ModelConfig.from_hf(hf_config, dtype=dtype)
     params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed)))
-    return Target(params, cfg, hf_config=dict(hf_config), attn_impl=attn_impl)
+    # BOS and EOS are special; a shrunk preset (moe_cpu) keeps its family's ids past its vocabulary: left out.
+    special = {i for i in (cfg.bos_token_id, *cfg.eos_token_ids) if i is not None and 0 <= i < cfg.vocab_size}
+    return Target(params, cfg, hf_config=dict(hf_config), tokenizer=stand_in_tokenizer(cfg.vocab_size, special),
+                  attn_impl=attn_impl)
 
 
 def preset_methods(target: Target, draft: DraftModelDrafter, k: int, tree: str | None,
