@@ -38,10 +38,12 @@ from specjax.bench.spec import preset_pair
 from specjax.drafters.replay import replay_drafter, tree_replay
 
 
-def keep_in_flight(engine, prompts, budget: int, concurrency, duration_s: float | None = None,
+def keep_in_flight(engine, prompts, budget, concurrency, duration_s: float | None = None,
                    total: int | None = None, samples: list | None = None) -> tuple[int, float]:
     """Keep concurrency() requests in flight (a callable of elapsed seconds, or an int) until `total` requests have
-    finished or `duration_s` has passed; returns (tokens, seconds). samples: (t, occupancy) appended every 50 ms."""
+    finished or `duration_s` has passed; returns (tokens, seconds). budget: every request's max_new_tokens, or a list
+    (request i gets budget[i % len]). samples: (t, occupancy) appended every 50 ms."""
+    budgets = budget if isinstance(budget, list) else [budget]
     target_c = concurrency if callable(concurrency) else (lambda t: concurrency)
     start, tokens, submitted, finished = time.perf_counter(), 0, 0, 0
     inflight = []
@@ -54,7 +56,8 @@ def keep_in_flight(engine, prompts, budget: int, concurrency, duration_s: float 
             tokens += len(h.result().tokens)
             finished += 1
         while len(inflight) < target_c(now) and (total is None or submitted < total):
-            inflight.append(engine.submit(prompts[submitted % len(prompts)], max_new_tokens=budget,
+            inflight.append(engine.submit(prompts[submitted % len(prompts)],
+                                          max_new_tokens=budgets[submitted % len(budgets)],
                                           eos_token_id=[], temperature=0.0))
             submitted += 1
         if samples is not None:
@@ -77,7 +80,11 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=8,
                     help="requests per fixed-concurrency run (at least 4 x the concurrency)")
-    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request (their mean with --spread)")
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="output lengths uniform in tokens x [1 - spread, 1 + spread], seeded, the same sequence for "
+                         "every setting (0: all equal; then a steady 'off' engine's rows start and finish together, "
+                         "which no mixed load does)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--step-s", type=float, default=4.0, help="seconds per concurrency step of the ramp")
@@ -103,8 +110,10 @@ def main() -> None:
     vocab = target.cfg.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(64)]
-    continuations = specjax.generate(target, prompts, max_new_tokens=args.tokens + 1, eos_token_id=[]).tokens
-    max_len = args.prompt_len + args.tokens + 16
+    low, high = round(args.tokens * (1 - args.spread)), round(args.tokens * (1 + args.spread))
+    budgets = rng.integers(max(low, 1), high + 1, 97).tolist()  # 97: prime, so (prompt, length) pairs vary by pass
+    continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
+    max_len = args.prompt_len + high + 16
     record = {"script": "scripts/bench_engine_load.py", "args": vars(args), "machine": machine_info(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "drafters": {}}
@@ -135,7 +144,7 @@ def main() -> None:
                 np.random.default_rng(rep * 100 + c).shuffle(order)
                 for name in order:
                     changes_before = len(engines[name].stats()["shapes_over_time"])
-                    tokens, seconds = keep_in_flight(engines[name], prompts, args.tokens, c,
+                    tokens, seconds = keep_in_flight(engines[name], prompts, budgets, c,
                                                      total=max(args.requests, 4 * c))
                     runs[c][name].append(tokens / seconds)
                     if name == "auto":
@@ -161,7 +170,7 @@ def main() -> None:
         ramp = [1] + [c for c in (2 ** i for i in range(1, 10)) if c <= args.slots]
         ramp = ramp + ramp[-2::-1]
         ramp_s = args.step_s * len(ramp)
-        keep_in_flight(auto, prompts, args.tokens, lambda t: ramp[min(int(t // args.step_s), len(ramp) - 1)],
+        keep_in_flight(auto, prompts, budgets, lambda t: ramp[min(int(t // args.step_s), len(ramp) - 1)],
                        duration_s=ramp_s, samples=samples)
         stats = auto.stats()
         record["drafters"][which] = {

@@ -105,6 +105,25 @@ def test_greedy_equals_plain_under_arrivals_aborts_and_switches(target, plain, f
         assert after["catch_up_rows"] > before["catch_up_rows"]
 
 
+def test_a_slot_whose_budget_runs_out_is_not_idle_through_a_chunk(target, plain):
+    """Slot turnaround: an "off" chunk ends where its first row's budget does, and a chunk in which a budget may run
+    out is read before the next gap, so no request that ended by its budget still holds a row of a later chunk (with
+    the next chunk dispatched behind the one reading it, each such slot stayed idle for a whole chunk)."""
+    with specjax.Engine(target, None, max_slots=2, max_len=64, sampling=False) as engine:
+        ended_before, read = [], engine._read  # per chunk read: the requests in its rows that had already ended
+
+        def recording_read(chunk):
+            ended_before.append([a.handle.request_id for a in chunk.owners if a is not None and a.finished])
+            return read(chunk)
+
+        engine._read = recording_read
+        handles = [engine.submit(p, max_new_tokens=n, temperature=0.0) for p, n in zip(PROMPTS, BUDGETS)]
+        outs = {h.request_id: h.result(timeout=300) for h in handles}
+    assert [o.tokens for o in outs.values()] == plain
+    idle = [rid for ended in ended_before for rid in ended if outs[rid].finish_reason == "length"]
+    assert len(ended_before) > len(PROMPTS) and idle == [], f"requests ended by budget held later chunks' rows: {idle}"
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "moe"])
 def test_greedy_equals_plain_on_hybrid_and_moe_targets(tmp_path, kind):
     """The hybrid target drafts with a hybrid draft model (its DeltaNet state moved, held and caught up per slot as

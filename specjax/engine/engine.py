@@ -84,11 +84,34 @@ class _Active:
     stats_row: tuple[int, int, int] = (0, 0, 0)  # its speculative rounds, emitted and accepted tokens
     first_token_at: float | None = None
     prefilling: bool = False  # a long prompt entering its slot piece by piece (the row is not decoding yet)
+    # Bounds on its device count once every chunk dispatched so far has run (the prefill emits its first token; a
+    # round emits at least one token and at most its shape's depth + 1): where a chunk is sure to, or may, end it
+    floor: int = 1
+    ceiling: int = 1
     offset: int = 0  # prompt tokens already in the slot's cache
     features: Any = ()  # while prefilling: the drafter's features over the prompt so far, on the device
     aborted: bool = False
     finished: bool = False
     wire: Any = None  # in a multi-process job: the request as process 0 sends it to the others (prompt ids, settings)
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A dispatched chunk, until the host reads it: its snapshot, the requests in its rows (None where no row
+    decoded), its shape, row bucket and rows decoding, whether no gap work ran before it (`clean`), when it was
+    dispatched, the rounds it may run, the most tokens a round emits (`width`), whether it is read before the next
+    gap (`drain`: a row's budget may run out in it), and whether its rounds were cut to a row's budget (`capped`)."""
+    snap: tuple
+    owners: list
+    label: str
+    nb: int
+    live: int
+    clean: bool
+    dispatched: float
+    rounds: int
+    width: int
+    drain: bool
+    capped: bool
 
 
 class Engine:
@@ -580,13 +603,15 @@ class Engine:
     def _step(self, gap: dict | None = None) -> None:
         """One gap between chunks: retire and admit, dispatch the next chunk, then read the previous one. gap:
         process 0's decisions for it (on another process of a multi-process job)."""
+        if self._inflight and self._inflight[0].drain:  # a row may end in it: its slot is turned around in this gap
+            self._read(self._inflight.popleft())
         self._retire()
         self._admit(gap)
         decoding = sum(a is not None and not a.prefilling for a in self._live)
         if decoding:
             self._dispatch(decoding)
         if self._inflight and (len(self._inflight) > 1 or not decoding):
-            self._read(*self._inflight.popleft())
+            self._read(self._inflight.popleft())
 
     def _live_count(self) -> int:
         return sum(a is not None for a in self._live)
@@ -784,14 +809,26 @@ class Engine:
     def _dispatch(self, live: int) -> None:
         """The next chunk over every occupied slot; its shape from the `live` rows decoding (prefills not counted)."""
         nb = self._rows_bucket(self._live_count())
+        owners = [a if a is not None and not a.prefilling else None for a in self._live]
+        budgets = [(a, int(m)) for a, m in zip(owners, self._max_new) if a is not None]
         if self.leader:
             fixed = len(self.labels) == 1
             label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
-            rounds, exit_early = self._rounds[label], bool(self._waiting)
-            self._send({"kind": "chunk", "label": label, "rounds": rounds, "exit_early": exit_early})
+            rounds, width = self._rounds[label], self._width(label)
+            if label == OFF:  # a plain step emits one token a row: the chunk ends where the first budget does
+                rounds = max(1, min([rounds] + [m - a.floor for a, m in budgets if a.floor < m]))
+            # A row whose budget may run out in this chunk: the chunk ends when a row finishes, and the host reads it
+            # before the next gap (no chunk dispatched behind it), so the slot is retired and refilled at once
+            # rather than idle through one more chunk.
+            drain = any(a.ceiling + rounds * width >= m for a, m in budgets)
+            chunk = {"kind": "chunk", "label": label, "rounds": rounds, "exit_early": bool(self._waiting) or drain,
+                     "drain": drain, "capped": rounds < self._rounds[label]}
+            self._send(chunk)
         else:  # timings and the queue are process 0's
             chunk = self._receive("chunk")
-            label, rounds, exit_early = chunk["label"], chunk["rounds"], chunk["exit_early"]
+            label, rounds, width = chunk["label"], chunk["rounds"], self._width(chunk["label"])
+        for a, _ in budgets:
+            a.floor, a.ceiling = a.floor + rounds, a.ceiling + rounds * width
         if label != self._shape:
             self._history.append((round(time.perf_counter() - self._started, 4), live, label))
             self._shape = label
@@ -802,11 +839,14 @@ class Engine:
             for a in self._live:
                 if a is not None and not a.prefilling:
                     a.stale = self.drafter is not None
-        self._chunk(label, nb, sampled, rounds, exit_early)
-        snap = self._snapshot()
-        owners = [a if a is not None and not a.prefilling else None for a in self._live]
+        self._chunk(label, nb, sampled, rounds, chunk["exit_early"])
         clean, self._gap_work = not self._gap_work, 0  # no prefill or catch-up ran on the device before it
-        self._inflight.append((snap, owners, label, nb, live, clean, time.perf_counter()))
+        self._inflight.append(_Chunk(self._snapshot(), owners, label, nb, live, clean, time.perf_counter(), rounds,
+                                     width, chunk["drain"], chunk["capped"]))
+
+    def _width(self, label: str) -> int:
+        """The most tokens a row emits in a round of shape `label`: its deepest path of drafts and the bonus."""
+        return 1 if label == OFF else self.configured[(label, max(self.lc))].settings.tree.max_depth + 1
 
     def _chunk(self, label: str, nb: int, sampled: bool, rounds: int, exit_early: bool) -> None:
         """Dispatch one chunk of `label` over the first nb slots (the slots donated)."""
@@ -835,24 +875,29 @@ class Engine:
             self._sched_costs[nb] = jnp.asarray(agreed(np.asarray(table)))
         return sched, self._sched_costs[nb]
 
-    def _read(self, snap, owners: list, label: str, nb: int, live: int, clean: bool, dispatched: float) -> None:
+    def _read(self, chunk: "_Chunk") -> None:
         """Hand out one chunk's tokens; learn from its timing and acceptance."""
-        out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(snap)
+        owners, label, nb, live = chunk.owners, chunk.label, chunk.nb, chunk.live
+        out_BO, count_B, done_B, step, stats, logprobs = jax.device_get(chunk.snap)
         now = time.perf_counter()
         # from the previous read: the host's gap work before this chunk's dispatch (admissions, a catch-up's
         # preparation, the pipeline drained at a switch) is time the live rows waited, charged to this chunk
-        since = dispatched if self._last_read is None else self._last_read
+        since = chunk.dispatched if self._last_read is None else self._last_read
         self._last_read = now
         tokens = 0
         for slot, a in enumerate(owners):
             if a is None or a.finished or a.aborted:
                 continue
-            tokens += self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
+            new = self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
+            # the bounds assumed chunk.rounds rounds at one to `width` tokens each; it ran and emitted `new`
+            a.floor, a.ceiling = a.floor + new - chunk.rounds, a.ceiling + new - chunk.rounds * chunk.width
+            tokens += new
         rounds = int(step) - (int(step) if self._last_step is None else self._last_step)
         self._last_step = int(step)
         if rounds > 0:
-            self.policy.record(nb, live, label, rounds, tokens, now - since, clean)
-            self._rounds[label] = next_rounds(self._rounds[label], rounds, now - since)
+            self.policy.record(nb, live, label, rounds, tokens, now - since, chunk.clean)
+            if not chunk.capped:  # a chunk cut to a row's budget says nothing of the rounds that fit the time
+                self._rounds[label] = next_rounds(self._rounds[label], rounds, now - since)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
         self.policy.learn(label, stats.verified_rank_DR - self._last_counts[0],
                           int(stats.row_rounds) - int(self._last_counts[1]))
@@ -916,7 +961,7 @@ class Engine:
     def _catch_up(self) -> None:
         """Speculation resumes: every row decoded with it off gets a drafter state over its whole sequence."""
         while self._inflight:  # the host needs every row's tokens so far
-            self._read(*self._inflight.popleft())
+            self._read(self._inflight.popleft())
         stale = [a for a in self._live if a is not None and a.stale and not (a.finished or a.aborted or a.prefilling)]
         groups = collections.defaultdict(list)
         for a in stale:
@@ -1230,10 +1275,13 @@ def _free_bytes() -> float | None:
 def next_rounds(rounds: int, ran: int, seconds: float) -> int:
     """The next chunk's rounds after one that ran `ran` of `rounds` in `seconds`: doubled (up to MAX_ROUNDS) while
     chunks take under CHUNK_TARGET_S, halved when a whole chunk took over 4x that (more rows or a dearer shape made
-    rounds slower; a chunk bounds how long an arrival waits for its slot and a stream for its next tokens)."""
+    rounds slower; a chunk bounds how long an arrival waits for its slot and a stream for its next tokens). A chunk
+    cut short (a row finished) gives no verdict."""
+    if ran < rounds:
+        return rounds
     if seconds < CHUNK_TARGET_S:
         return min(2 * rounds, MAX_ROUNDS)
-    if seconds > 4 * CHUNK_TARGET_S and ran >= rounds:
+    if seconds > 4 * CHUNK_TARGET_S:
         return max(1, rounds // 2)
     return rounds
 
