@@ -35,6 +35,8 @@ import numpy as np
 import specjax
 from specjax.bench.ar import PRESETS, machine_info
 from specjax.bench.spec import preset_pair
+from specjax.decoding.request import round_cache_length
+from specjax.decoding.tree import parse_tree
 from specjax.drafters.replay import replay_drafter, tree_replay
 
 
@@ -113,7 +115,11 @@ def main() -> None:
     low, high = round(args.tokens * (1 - args.spread)), round(args.tokens * (1 + args.spread))
     budgets = rng.integers(max(low, 1), high + 1, 97).tolist()  # 97: prime, so (prompt, length) pairs vary by pass
     continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
-    max_len = args.prompt_len + high + 16
+    # One KV cache length for every engine: an engine's cache holds max_len plus its largest shape's draft nodes,
+    # rounded up (round_cache_length), so with max_len just above the need a tree's nodes alone could push "auto"
+    # and the tree to the next multiple (256 positions against 128 here) and slow every round they run.
+    nodes = max([parse_tree(None, k).cache_slots for k in chains] + [parse_tree(t, None).cache_slots for t in trees])
+    max_len = round_cache_length(args.prompt_len + high + 1 + nodes) - nodes
     record = {"script": "scripts/bench_engine_load.py", "args": vars(args), "machine": machine_info(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "drafters": {}}
@@ -134,7 +140,9 @@ def main() -> None:
             engines[name] = specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False,
                                            **kw)
             warm = engines[name].warmup()
-            print(f"{which} {name}: warmup {warm:.1f} s, {engines[name].stats()['compiles']} compiles")
+            print(f"{which} {name}: warmup {warm:.1f} s, {engines[name].stats()['compiles']} compiles, "
+                  f"cache {engines[name].cache_len}")
+        assert len({e.cache_len for e in engines.values()}) == 1, {n: e.cache_len for n, e in engines.items()}
         compiles = {name: e.stats()["compiles"] for name, e in engines.items()}
         runs = {c: {name: [] for name in engines} for c in levels}
         auto_shapes = {c: [] for c in levels}  # the shapes "auto" ran at each level (each change, in order)
@@ -177,6 +185,7 @@ def main() -> None:
             "fixed": table, "ramp_levels": ramp, "step_s": args.step_s,
             "ramp_shapes": stats["shapes_over_time"][history_from:], "ramp_occupancy": samples,
             "compiles_after_warmup": {n: e.stats()["compiles"] - compiles[n] for n, e in engines.items()},
+            "cache_len": auto.cache_len,
             "policy": {k: stats[k] for k in ("round_ms", "realized_factor", "dropped", "acceptance_at_depth",
                                              "acceptance_depth_rank", "tau")},
             "ramp_began": ramp_began}

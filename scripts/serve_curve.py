@@ -168,7 +168,10 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="off,chain:1,chain:2,chain:4,auto")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--max-slots", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=496,
+                    help="every server's; a speculating engine's KV cache holds max_len plus its largest shape's "
+                         "draft nodes, rounded up to a multiple of 128, so pick it 16 below a multiple (496: 512 "
+                         "positions for every setting; 512 would give the speculating servers 640 and 'off' 512)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (setting, concurrency)")
@@ -197,7 +200,9 @@ def main(argv=None) -> int:
         tokenizer = datasets.load_tokenizer(args.target)
     exit_codes: dict[str, int] = {}
     record = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}", "runs": []}
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "runs": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:

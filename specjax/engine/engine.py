@@ -84,8 +84,9 @@ class _Active:
     stats_row: tuple[int, int, int] = (0, 0, 0)  # its speculative rounds, emitted and accepted tokens
     first_token_at: float | None = None
     prefilling: bool = False  # a long prompt entering its slot piece by piece (the row is not decoding yet)
-    # Bounds on its device count once every chunk dispatched so far has run (the prefill emits its first token; a
-    # round emits at least one token and at most its shape's depth + 1): where a chunk is sure to, or may, end it
+    # Bounds on its device count once every chunk dispatched so far has run: the count last read plus, per chunk
+    # dispatched since, its rounds (a round emits at least one token) or its rounds x its shape's depth + 1 (at
+    # most); the prefill emits the first token. Whether a chunk is sure to, or may, end it by its budget
     floor: int = 1
     ceiling: int = 1
     offset: int = 0  # prompt tokens already in the slot's cache
@@ -888,10 +889,10 @@ class Engine:
         for slot, a in enumerate(owners):
             if a is None or a.finished or a.aborted:
                 continue
-            new = self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
-            # the bounds assumed chunk.rounds rounds at one to `width` tokens each; it ran and emitted `new`
-            a.floor, a.ceiling = a.floor + new - chunk.rounds, a.ceiling + new - chunk.rounds * chunk.width
-            tokens += new
+            tokens += self._take(a, slot, out_BO, count_B, done_B, stats, logprobs, now)
+            later = [c for c in self._inflight if any(o is a for o in c.owners)]  # dispatched since, not yet read
+            a.floor = int(count_B[slot]) + sum(c.rounds for c in later)
+            a.ceiling = int(count_B[slot]) + sum(c.rounds * c.width for c in later)
         rounds = int(step) - (int(step) if self._last_step is None else self._last_step)
         self._last_step = int(step)
         if rounds > 0:
