@@ -14,8 +14,9 @@ engine should learn to keep speculation off).
 
 1. Fixed concurrency c (`--concurrency`): max(`--requests`, 4c) requests of mixed output lengths (`--spread`) kept c
    in flight (a new one submitted as one ends), through one engine per setting: "auto" (off or a chain of
-   `--chains`, chosen per chunk), "off", and each fixed chain, every engine with the same KV cache length. Settings run interleaved (a shuffled order per repeat), `--repeats` times; tokens/s medians are reported,
-   and auto / off and auto / best fixed per concurrency as the median of the ratios within each repeat.
+   `--chains`, chosen per chunk), "off", and each fixed chain, every engine with the same KV cache length.
+   Settings run interleaved (a shuffled order per repeat), `--repeats` times; tokens/s medians are reported, and
+   auto / off and auto / best fixed per concurrency as the median of the ratios within each repeat.
 2. A ramp: target concurrency 1 -> --slots -> 1 in steps of `--step-s` seconds through the "auto" engine; the shape
    it chose (engine.stats()["shapes_over_time"]) against time, beside the live occupancy sampled every 50 ms.
 Every engine is warmed up first (compile and cost profile), and nothing compiles during the timed runs (checked).
