@@ -86,7 +86,7 @@ class _Active:
     prefilling: bool = False  # a long prompt entering its slot piece by piece (the row is not decoding yet)
     # Bounds on its device count once every chunk dispatched so far has run: the count last read plus, per chunk
     # dispatched since, its rounds (a round emits at least one token) or its rounds x its shape's depth + 1 (at
-    # most); the prefill emits the first token. Whether a chunk is sure to, or may, end it by its budget
+    # most); the prefill emits the first token. They tell whether a chunk is sure to, or may, end it by its budget.
     floor: int = 1
     ceiling: int = 1
     offset: int = 0  # prompt tokens already in the slot's cache

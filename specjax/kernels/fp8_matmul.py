@@ -75,8 +75,8 @@ def plan_fp8_matmul(*, m: int, k: int, n: int, block: tuple[int, int], itemsize:
     16-bit activations (itemsize 2); fp32 keeps 64 (its IEEE dots compiled for H100 in 35-40 s at 64 x 128 x 128,
     2 s at 64 x 64 x 128). block_k = min(bi, 128), block_n <= bo. 3 stages of loads in flight (cp.async): the
     largest tile (64 x 128 x 128) compiled for H100 in fp32 and, in bf16, up to 8 stages, so shared memory needs no
-    check at these tiles (unlike tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split K only while the tiles
-    alone give fewer programs than SMs, at most ceil(SMs / programs), each split walking >= 4 K blocks, and the
+    check at these tiles (unlike tree_attention's, whose K and V blocks scale with head_dim). num_splits=None: split
+    K only while the tiles alone give fewer programs than SMs, at most ceil(SMs / programs), each split walking >= 4 K blocks, and the
     fp32 partials (written and read: 8 bytes an element) within an eighth of the FP8 weight's K x N bytes."""
     bi, bo = block
     block_m = max(MIN_DOT_DIM, _next_pow2(m)) if m <= MAX_BLOCK_M else MAX_BLOCK_M

@@ -12,8 +12,9 @@ an optional `zero` point of the same shape (asymmetric integer formats: w = (q -
 It is a pytree (leaves q, scale, zero, g_idx, input_scale; block, compute dtype, activations static), so it sits
 where a weight array sits: the value of an `nnx.Param`, a params dict's leaf, a stacked [L, ...] weight sliced by
 `lax.scan`, a leaf placed with its own sharding. Model code multiplies `x @ w` unchanged: `__rmatmul__`
-dequantizes in the activation's dtype inside the trace (the whole weight's meaning: each block times its own scale, so 128 x 128
-block scales along the contraction stay blocks, not a per-channel approximation), and the matmul consumes it;
+dequantizes in the activation's dtype inside the trace (the whole weight's meaning: each block times its own scale,
+so 128 x 128 block scales along the contraction stay blocks, not a per-channel approximation), and the matmul
+consumes it;
 traced for a GPU, a 2-D block-FP8 weight runs the fused Pallas kernel instead (kernels/fp8_matmul.py: XLA does
 not fuse the dequantization into its GEMM there).
 Why not google/qwix: its QArray needs scale tiles that divide the weight (no ragged 128-blocks), has no
