@@ -187,8 +187,8 @@ def main() -> None:
             "ramp_shapes": stats["shapes_over_time"][history_from:], "ramp_occupancy": samples,
             "compiles_after_warmup": {n: e.stats()["compiles"] - compiles[n] for n, e in engines.items()},
             "cache_len": auto.cache_len,
-            "policy": {k: stats[k] for k in ("round_ms", "realized_factor", "dropped", "acceptance_at_depth",
-                                             "acceptance_depth_rank", "tau")},
+            "policy": {k: stats[k] for k in ("round_ms", "realized_factor", "realized_row_rate", "dropped",
+                                             "acceptance_at_depth", "acceptance_depth_rank", "tau")},
             "ramp_began": ramp_began}
         for e in engines.values():
             e.close()

@@ -4,10 +4,12 @@ follows a real change of load within `dwell` chunks, and drops a shape that meas
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from specjax.decoding.tree import chain
-from specjax.engine.policy import DROP_CHUNKS, DWELL, EXPLORE_CHUNKS, MIN_SAMPLES, OFF, LoadPolicy
+from specjax.engine.policy import DROP_CHUNKS, DWELL, EXPLORE_CHUNKS, EXPLORE_MIN, MIN_SAMPLES, OFF, LoadPolicy
 
 LABELS = [OFF, "chain:1", "chain:2", "chain:4"]
 DEPTHS = {OFF: 0, "chain:1": 1, "chain:2": 2, "chain:4": 4}
@@ -98,7 +100,7 @@ def test_a_shape_that_measures_worse_than_off_is_dropped_and_left_at_once():
     while (1, "chain:4") in p.dropped:
         p.record(1, 1, OFF, 10, 10, 0.06)
         lasted += 1
-    assert lasted == DROP_CHUNKS and (1, "chain:4") not in p.row_rate  # then fresh evidence decides again
+    assert lasted == DROP_CHUNKS and (1, "chain:4") not in p.realized  # then fresh evidence decides again
 
 
 def test_an_untimed_bucket_runs_each_shape_once_before_choosing():
@@ -159,27 +161,42 @@ def test_a_chunk_after_a_prefill_updates_the_realized_rate_but_not_the_round_tim
     p = policy(0.9)
     before = p.round_s[(1, "chain:4")].value
     p.record(1, 1, "chain:4", 8, 30, 8 * 3 * before, clean=False)  # a prefill ran inside: 3x the round time
-    assert p.round_s[(1, "chain:4")].value == before and p.row_rate[(1, "chain:4")].samples == 1
+    assert p.round_s[(1, "chain:4")].value == before and p.realized[(1, "chain:4")].runs == 1
     p.record(1, 1, "chain:4", 8, 30, 8 * 3 * before)
     assert p.round_s[(1, "chain:4")].value > before
 
 
 def test_a_shape_worse_than_off_is_dropped_even_where_off_never_ran():
-    """auto ran chain:4 at bucket 8 only (off never ran there, so off has no realized rate): chain:4's realized rate
-    against off's timed step cost still drops it, and the choice falls to a shape that measures up."""
+    """auto ran chain:4 at bucket 1 only (off never ran there, so off has no realized rate), its chunks after
+    prefills realizing 20% of its model: its prediction, carrying that, against off's still drops it."""
     p = policy(0.9)
     assert p.choose(1, 1, None) == "chain:4"
-    off_row_rate = 1 / (ROUND_MS[1][OFF] / 1e3)  # one token a step: 167 a row per second
+    modelled = p.modelled(1, 1, "chain:4")
     for _ in range(MIN_SAMPLES):
-        p.record(1, 1, "chain:4", 10, 10, 10 / (0.8 * off_row_rate))  # 80% of off's rate
-    assert (1, "chain:4") in p.dropped and (1, OFF) not in p.row_rate
+        p.record(1, 1, "chain:4", 10, 0.2 * modelled * 0.1, 0.1, clean=False)
+    assert p.predicted(1, 1, "chain:4") < 0.95 * p.predicted(1, 1, OFF)
+    assert (1, "chain:4") in p.dropped and p.realized[(1, OFF)].runs == 0
+
+
+def test_a_shape_is_judged_by_its_tokens_over_its_time_not_by_its_mean_chunk_rate():
+    """chain:4 emits 1.3x off's tokens per row-second at bucket 1, but every other chunk of it is a short one after
+    a prefill (a tenth of the rate, a tenth of the time): a mean of per-chunk rates would put it at 0.8x off and drop
+    it; its tokens over its time keep it."""
+    p = policy(0.9)
+    for _ in range(MIN_SAMPLES):
+        p.record(1, 1, OFF, 10, 10, 0.06)  # 167 a row per second
+        p.record(1, 1, "chain:4", 10, 12, 0.05, clean=False)  # 240 a row per second
+        p.record(1, 1, "chain:4", 1, 0.12, 0.005, clean=False)  # 24
+    assert p.realized[(1, "chain:4")].rate() > 1.25 * p.realized[(1, OFF)].rate()
+    assert (1, "chain:4") not in p.dropped
 
 
 def test_a_shape_realizing_less_than_its_model_yields_and_is_tried_again_later():
     """At 8 rows chain:4 is modelled 37% ahead of off, but every chain's chunks realize about half their model
     (prefills and chunks cut short by finishing rows: work the model leaves out); off realizes its model. Once the
     shape in use is measured, the policy explores off, keeps it, tries the chains predicted within reach once each
-    (EXPLORE_CHUNKS chunks), and tries them again only as their evidence ages: off runs >= 97% of the time."""
+    (each cut short after EXPLORE_MIN chunks, as it trails off), and tries them again only as their evidence ages:
+    off runs >= 97% of the time."""
     p = policy(0.9)
     p.round_s[(8, "chain:4")] = type(p.round_s[(8, OFF)])(0.030, 1)  # 8 x 4.1 / 30 ms against off's 8 / 10 ms
     shape = p.choose(8, 8, None)
@@ -197,8 +214,8 @@ def test_a_shape_realizing_less_than_its_model_yields_and_is_tried_again_later()
     assert held[first_off:].count(OFF) >= 0.97 * len(held[first_off:])
     retried = {label for label in held[1000:] if label != OFF}
     assert retried, "a shape's aged evidence must let it be tried again"
-    leaves = sum(a == OFF and b != OFF for a, b in zip(held[first_off:], held[first_off + 1:]))
-    assert leaves <= 8, leaves  # each a short exploration, not thrash
+    trials = [len(list(run)) for label, run in itertools.groupby(held[first_off:]) if label != OFF]
+    assert len(trials) <= 12 and max(trials) == EXPLORE_MIN, trials  # each cut short as it trails: not thrash
     assert abs(p.realized[(8, OFF)].factor() - 1) < 0.01 and p.realized[(8, "chain:4")].factor() < 0.8
 
 
@@ -220,16 +237,31 @@ def test_a_shape_the_model_underrates_is_explored_and_kept():
     assert OFF in held[:4 * EXPLORE_CHUNKS] and held[-20:] == [OFF] * 20, held  # the likelier shapes first
 
 
-def test_chunk_rounds_grow_to_the_target_time_and_shrink_when_rounds_get_dearer():
-    from specjax.engine.engine import CHUNK_TARGET_S, MAX_ROUNDS, next_rounds
+def test_a_trial_that_trails_is_cut_short_and_the_incumbent_returns_at_once():
+    """chain:4 in use at bucket 1, realizing its model; the shapes predicted within reach are tried, but each realizes
+    half of chain:4's rate: every trial ends after EXPLORE_MIN chunks, straight back to chain:4 (no dwell). Acceptance
+    0.6: chain:2 and chain:1 are predicted at 96% and 89% of chain:4."""
+    p = policy(0.6)
+    shape, held = p.choose(1, 1, None), []
+    assert shape == "chain:4"
+    for _ in range(40):
+        truth = 1.0 if shape == "chain:4" else 0.5
+        rate = p.modelled(1, 1, "chain:4")
+        p.record(1, 1, shape, 4, rate * 0.05 * truth, 0.05, clean=False)
+        shape = p.choose(1, 1, shape)
+        held.append(shape)
+    trials = [(label, len(list(run))) for label, run in itertools.groupby(held) if label != "chain:4"]
+    assert trials and all(n == EXPLORE_MIN for _, n in trials), trials
+    assert len({label for label, _ in trials}) == len(trials) and held[-20:] == ["chain:4"] * 20, held
 
-    rounds = 1
-    for _ in range(10):  # 1 ms a round: doubles to the cap
-        rounds = next_rounds(rounds, rounds, rounds * 1e-3)
-    assert rounds == MAX_ROUNDS
-    assert next_rounds(8, 8, 2 * CHUNK_TARGET_S) == 8  # between the target and 4x it: kept
-    assert next_rounds(8, 3, 5 * CHUNK_TARGET_S) == 8  # a chunk cut short (a row finished): no verdict on rounds
-    rounds = MAX_ROUNDS
-    while next_rounds(rounds, rounds, rounds * 0.03) != rounds:  # the load rose: 30 ms a round
-        rounds = next_rounds(rounds, rounds, rounds * 0.03)
-    assert rounds * 0.03 <= 4 * CHUNK_TARGET_S and rounds == 4
+
+def test_chunk_rounds_are_the_fewest_powers_of_two_that_take_the_target_time():
+    from specjax.engine.engine import CHUNK_TARGET_S, MAX_ROUNDS, chunk_rounds
+    from specjax.engine.policy import Average
+
+    assert chunk_rounds(None) == 1 and chunk_rounds(Average()) == 1  # no cost known yet
+    assert chunk_rounds(Average(1e-4, 1)) == MAX_ROUNDS
+    for round_s in (0.004, 0.007, 0.01, 0.03, 0.049, 0.051, 0.2):
+        rounds = chunk_rounds(Average(round_s, 1))
+        assert rounds * round_s >= CHUNK_TARGET_S and (rounds == 1 or rounds / 2 * round_s < CHUNK_TARGET_S), round_s
+        assert rounds & (rounds - 1) == 0

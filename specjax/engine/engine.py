@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from functools import partial
@@ -56,7 +57,7 @@ from specjax.planning.scheduler_cost import scheduler_cost
 
 AUTO_CHAINS = (1, 2, 4)  # the chains "auto" chooses among, besides off
 STOP_IDS = 8  # stop ids a request may have (EOS included): a fixed column count of the slots' settings
-CHUNK_TARGET_S = 0.05  # a chunk's rounds grow (x2) until it takes this long, up to MAX_ROUNDS; halve past 4x it
+CHUNK_TARGET_S = 0.05  # a chunk runs the fewest power-of-two rounds that take this long, up to MAX_ROUNDS
 MAX_ROUNDS = 32
 WARMUP_ROUNDS = 4  # rounds of each timed warmup chunk
 WARMUP_TIMINGS = 3  # timed warmup chunks per (occupancy bucket, shape), each on fresh dummy rows
@@ -100,8 +101,8 @@ class _Active:
 class _Chunk:
     """A dispatched chunk, until the host reads it: its snapshot, the requests in its rows (None where no row
     decoded), its shape, row bucket and rows decoding, whether no gap work ran before it (`clean`), when it was
-    dispatched, the rounds it may run, the most tokens a round emits (`width`), whether it is read before the next
-    gap (`drain`: a row's budget may run out in it), and whether its rounds were cut to a row's budget (`capped`)."""
+    dispatched, the rounds it may run, the most tokens a round emits (`width`), and whether it is read before the next
+    gap (`drain`: a row's budget may run out in it)."""
     snap: tuple
     owners: list
     label: str
@@ -112,7 +113,6 @@ class _Chunk:
     rounds: int
     width: int
     drain: bool
-    capped: bool
 
 
 class Engine:
@@ -269,7 +269,6 @@ class Engine:
         self._closed = False
         self._error: BaseException | None = None
         self._shape: str | None = None
-        self._rounds: dict[str, int] = collections.defaultdict(lambda: 1)  # per shape: chunks of ~CHUNK_TARGET_S
         self._gap_work = 0  # prefills, prompt pieces and catch-ups dispatched since the last chunk
         self._history: list[tuple[float, int, str]] = []
         self._counters = collections.Counter({k: 0 for k in (
@@ -436,7 +435,8 @@ class Engine:
             the counters chunks, prefills, prefill_rows, draftless_prefill_rows (rows admitted while speculation was
             off: the drafter's prefill skipped), chunked_prefills, catch_up_rows, tokens_emitted, requests_finished,
             requests_aborted, and the policy's acceptance_at_depth (a chain's), acceptance_depth_rank
-            (p[depth][rank]), tau (per shape), round_ms and realized_factor (per "bucket/shape") and dropped shapes.
+            (p[depth][rank]), tau (per shape), round_ms, realized_factor and realized_row_rate (tokens per live row
+            per second), per "bucket/shape", and dropped shapes.
         """
         with self._lock:
             live = sum(a is not None and not a.finished for a in self._live)
@@ -815,7 +815,7 @@ class Engine:
         if self.leader:
             fixed = len(self.labels) == 1
             label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
-            rounds, width = self._rounds[label], self._width(label)
+            rounds, width = chunk_rounds(self.policy.round_s.get((nb, label))), self._width(label)
             if label == OFF:  # a plain step emits one token a row: the chunk ends where the first budget does
                 rounds = max(1, min([rounds] + [m - a.floor for a, m in budgets if a.floor < m]))
             # A row whose budget may run out in this chunk: the chunk ends when a row finishes, and the host reads it
@@ -823,7 +823,7 @@ class Engine:
             # rather than idle through one more chunk.
             drain = any(a.ceiling + rounds * width >= m for a, m in budgets)
             chunk = {"kind": "chunk", "label": label, "rounds": rounds, "exit_early": bool(self._waiting) or drain,
-                     "drain": drain, "capped": rounds < self._rounds[label]}
+                     "drain": drain}
             self._send(chunk)
         else:  # timings and the queue are process 0's
             chunk = self._receive("chunk")
@@ -843,7 +843,7 @@ class Engine:
         self._chunk(label, nb, sampled, rounds, chunk["exit_early"])
         clean, self._gap_work = not self._gap_work, 0  # no prefill or catch-up ran on the device before it
         self._inflight.append(_Chunk(self._snapshot(), owners, label, nb, live, clean, time.perf_counter(), rounds,
-                                     width, chunk["drain"], chunk["capped"]))
+                                     width, chunk["drain"]))
 
     def _width(self, label: str) -> int:
         """The most tokens a row emits in a round of shape `label`: its deepest path of drafts and the bonus."""
@@ -897,8 +897,6 @@ class Engine:
         self._last_step = int(step)
         if rounds > 0:
             self.policy.record(nb, live, label, rounds, tokens, now - since, chunk.clean)
-            if not chunk.capped:  # a chunk cut to a row's budget says nothing of the rounds that fit the time
-                self._rounds[label] = next_rounds(self._rounds[label], rounds, now - since)
         self._offered_D, self._accepted_D = stats.offered_D - self._depth_base[0], stats.accepted_D - self._depth_base[1]
         self.policy.learn(label, stats.verified_rank_DR - self._last_counts[0],
                           int(stats.row_rounds) - int(self._last_counts[1]))
@@ -1273,18 +1271,16 @@ def _free_bytes() -> float | None:
     return None
 
 
-def next_rounds(rounds: int, ran: int, seconds: float) -> int:
-    """The next chunk's rounds after one that ran `ran` of `rounds` in `seconds`: doubled (up to MAX_ROUNDS) while
-    chunks take under CHUNK_TARGET_S, halved when a whole chunk took over 4x that (more rows or a dearer shape made
-    rounds slower; a chunk bounds how long an arrival waits for its slot and a stream for its next tokens). A chunk
-    cut short (a row finished) gives no verdict."""
-    if ran < rounds:
-        return rounds
-    if seconds < CHUNK_TARGET_S:
-        return min(2 * rounds, MAX_ROUNDS)
-    if seconds > 4 * CHUNK_TARGET_S:
-        return max(1, rounds // 2)
-    return rounds
+def chunk_rounds(round_s) -> int:
+    """Rounds of a chunk at `round_s` (the policy's Average of seconds a round for this bucket and shape, or None):
+    the fewest, a power of two, that take CHUNK_TARGET_S, up to MAX_ROUNDS; 1 while the cost is unknown. A chunk
+    bounds how long an arrival waits for its slot and a stream for its next tokens, and each chunk costs a host gap.
+    Sized from the cost the policy keeps per bucket, a shape runs full chunks from its first: rounds grown chunk by
+    chunk from 1 made the first chunks of a shape just switched to (an exploration's) mostly host gaps, which
+    measured "off" at half its rate at 8 rows."""
+    if round_s is None or round_s.samples == 0 or round_s.value <= 0:
+        return 1
+    return min(MAX_ROUNDS, 1 << max(0, math.ceil(math.log2(CHUNK_TARGET_S / round_s.value))))
 
 
 def _buckets(low: int, high: int) -> list[int]:

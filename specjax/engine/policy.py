@@ -20,16 +20,17 @@ Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / roun
   draft model's prefill and catch-up are its shapes' alone), which under churn precede almost every chunk. A shape
   never run at a bucket keeps factor 1 (the model's word) until it is tried there: when the shape in use realizes
   less than it is predicted to give, or by exploration (`LoadPolicy.explore`: once the shape in use is measured at
-  a bucket, a shape predicted within EXPLORE_WITHIN of the best and not measured there runs EXPLORE_CHUNKS chunks;
-  as evidence ages, tried again).
+  a bucket, a shape predicted within EXPLORE_WITHIN of the best and not measured there runs up to EXPLORE_CHUNKS
+  chunks, cut short once it trails the shape in use; as evidence ages, tried again).
 Hysteresis, in size and in time: the shape in use is kept while its prediction is within `hysteresis` of the best,
 and a better shape replaces it only once it has led by more than that for `dwell` choices in a row, so one request
 joining and leaving (a bucket boundary crossed back and forth) or one noisy chunk time does not flip it. A shape in
-use that is dropped at this bucket is left at once. The loop is closed: each chunk's realized tokens per live row
-per second is recorded per (bucket, shape), and a shape that measures, over `MIN_SAMPLES` chunks, more than 5% worse
-than off at a bucket (off's realized rate there, or while off has not run there, its clean chunks against one
-token a step at off's timed cost) is dropped there, for DROP_CHUNKS chunks at that bucket: then its realized rates
-start afresh and it may be chosen again (a drop measured while something else loaded the machine must not last).
+use that is dropped at this bucket is left at once. The loop is closed: each (bucket, shape) keeps its realized
+tokens per live row per second (decayed sums of tokens over row-seconds, so a chunk weighs by its time), and a shape
+that measures, over `MIN_SAMPLES` chunks, more than 10% worse than off at a bucket (off's realized rate there, or
+while off has run fewer chunks there, off's prediction against its own) is dropped there, for DROP_CHUNKS chunks
+at that bucket: then its realization starts afresh and it may be chosen again (a drop measured while something else
+loaded the machine must not last).
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ OFF = "off"
 PRIOR_ACCEPTANCE = 0.7  # rank 0's acceptance before any is measured
 RANK_PRIOR = 0.3  # an unmeasured rank r > 0: this share of what the ranks before it leave (sum p <= 1)
 MIN_OFFERED = 16  # opportunities of a (depth, rank) before its measured acceptance replaces the prior
-MIN_SAMPLES = 16  # chunks per (bucket, shape) before a realized rate can drop a shape (a chunk's rate is noisy:
-DROP_MARGIN = 0.95  # requests join and leave inside it); dropped only when this far below off
+MIN_SAMPLES = 16  # chunks per (bucket, shape) before its realized rate can drop it (requests join and leave inside
+# a chunk: its time varies by about 25% here, a 16-chunk mean by about 6%)
+DROP_MARGIN = 0.9  # dropped only when this far below off: a drop lasts DROP_CHUNKS, and 0.95 dropped shapes that
+# were as good as off
 DROP_CHUNKS = 300  # chunks at a bucket a drop lasts
 EMA = 0.2  # weight of a new chunk in the running averages
 FORGET = 0.999  # per chunk at a bucket: how much of each shape's realization evidence there is kept
 PRIOR_CHUNKS = 2.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
-EXPLORE_CHUNKS = 6  # chunks a shape runs when tried at a bucket (LoadPolicy.explore)
+EXPLORE_CHUNKS = 6  # chunks a shape runs when tried at a bucket (LoadPolicy.explore), at most
+EXPLORE_MIN = 2  # chunks of a trial before it may be cut short
+EXPLORE_STOP = 0.9  # a trial realizing less than this share of the incumbent's rate is cut short
 EXPLORE_WITHIN = 0.8  # tried only if predicted within this share of the best shape
+EXPLORE_AGAIN = 700  # chunks at a bucket before a shape tried there may be tried again (as its evidence ages)
 DWELL = 3  # choices in a row a challenger must lead by more than the hysteresis before it replaces the shape in use
 
 
@@ -71,23 +77,33 @@ class Average:
 
 @dataclasses.dataclass
 class Realization:
-    """Decayed sums over a (bucket, shape)'s chunks: tokens emitted, tokens the model predicted, chunks counted."""
+    """Decayed sums over a (bucket, shape)'s chunks: tokens emitted, tokens the model predicted, row-seconds (live
+    rows x wall time), chunks counted; and the chunks recorded, undecayed."""
     tokens: float = 0.0
     predicted: float = 0.0
+    row_seconds: float = 0.0
     chunks: float = 0.0
+    runs: int = 0
 
     def forget(self) -> None:
         """Another chunk ran at this bucket: every sum keeps FORGET of itself."""
-        self.tokens, self.predicted, self.chunks = FORGET * self.tokens, FORGET * self.predicted, FORGET * self.chunks
+        self.tokens, self.predicted = FORGET * self.tokens, FORGET * self.predicted
+        self.row_seconds, self.chunks = FORGET * self.row_seconds, FORGET * self.chunks
 
-    def add(self, tokens: float, predicted: float) -> None:
+    def add(self, tokens: float, predicted: float, row_seconds: float) -> None:
         self.tokens, self.predicted, self.chunks = self.tokens + tokens, self.predicted + predicted, self.chunks + 1
+        self.row_seconds, self.runs = self.row_seconds + row_seconds, self.runs + 1
 
     def factor(self) -> float:
         """Emitted over predicted, shrunk toward 1 by PRIOR_CHUNKS chunks of belief in the model."""
         if self.predicted <= 0:
             return 1.0
         return (self.chunks * self.tokens / self.predicted + PRIOR_CHUNKS) / (self.chunks + PRIOR_CHUNKS)
+
+    def rate(self) -> float:
+        """Realized tokens per live row per second: the sums' ratio, so each chunk weighs by its time (a mean of
+        per-chunk rates would give a short chunk after a prefill the weight of a long clean one)."""
+        return self.tokens / max(self.row_seconds, 1e-12)
 
 
 def shape_size(specs) -> tuple[int, int]:
@@ -107,10 +123,9 @@ class LoadPolicy:
     def __init__(self, labels: list[str], specs: dict, hysteresis: float = 0.05, dwell: int = DWELL):
         self.labels, self.specs, self.hysteresis, self.dwell = list(labels), dict(specs), hysteresis, dwell
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
-        self.exploring: tuple[int, str] | None = None  # (bucket, shape) being tried (explore)
+        self.exploring: tuple[int, str, str, int] | None = None  # (bucket, shape, incumbent, its runs before): a trial
+        self.tried: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when last tried
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
-        self.row_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # every chunk's tokens/row/s
-        self.clean_rate: dict[tuple[int, str], Average] = defaultdict(Average)  # those with no prefill before them
         self.realized: dict[tuple[int, str], Realization] = defaultdict(Realization)
         self.dropped: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when dropped
         self.chunks_at: dict[int, int] = defaultdict(int)  # chunks recorded per bucket
@@ -204,29 +219,42 @@ class LoadPolicy:
 
     def explore(self, nb: int, current: str, scores: dict) -> str | None:
         """The shape to try at bucket nb (None: choose as usual). Once the shape in use has EXPLORE_CHUNKS / 2
-        chunks of evidence here, a shape with less than that whose prediction is within EXPLORE_WITHIN of the best
-        runs for EXPLORE_CHUNKS chunks, so its realization factor is measured rather than assumed: the round cost
-        warmup timed on dummy rows can misjudge a shape at this bucket (it priced off 15% dear against its realized
-        rate at 8 rows with a draft model), and a shape the model underrates would otherwise never run there. As
-        evidence ages (FORGET) a shape falls below the threshold and is tried again."""
-        if self.exploring == (nb, current) and self.realized[(nb, current)].chunks < EXPLORE_CHUNKS:
+        chunks of evidence here, a shape with less than that, not tried here in the last EXPLORE_AGAIN chunks, whose
+        prediction is within EXPLORE_WITHIN of the best runs for up to EXPLORE_CHUNKS chunks, so its realization
+        factor is measured rather than assumed: the round cost warmup timed on dummy rows can misjudge a shape at
+        this bucket (it priced off 15% dear against its realized rate at 8 rows with a draft model), and a shape the
+        model underrates would otherwise never run there. A trial is cut short once, over EXPLORE_MIN chunks, it
+        realizes less than EXPLORE_STOP of the incumbent's rate (the shape in use before it), and when it ends the
+        incumbent returns unless the trial is now predicted more than the hysteresis ahead of it: a trial that
+        disappoints costs a few chunks, not a trial and a dwell."""
+        if self.exploring is not None and self.exploring[:2] == (nb, current):
+            _, _, incumbent, runs_before = self.exploring
+            trial, ran = self.realized[(nb, current)], self.realized[(nb, current)].runs - runs_before
+            trails = ran >= EXPLORE_MIN and trial.rate() < EXPLORE_STOP * self.realized[(nb, incumbent)].rate()
+            if ran < EXPLORE_CHUNKS and not trails:
+                return current
+            self.exploring = None
+            if incumbent in scores and scores[current] <= (1 + self.hysteresis) * scores[incumbent]:
+                return incumbent
             return current
         self.exploring = None
         if self.realized[(nb, current)].chunks < EXPLORE_CHUNKS / 2:
             return None
         top = max(scores.values())
         untried = [label for label, score in scores.items()
-                   if self.realized[(nb, label)].chunks < EXPLORE_CHUNKS / 2 and score >= EXPLORE_WITHIN * top]
+                   if self.realized[(nb, label)].chunks < EXPLORE_CHUNKS / 2 and score >= EXPLORE_WITHIN * top
+                   and self.chunks_at[nb] - self.tried.get((nb, label), -EXPLORE_AGAIN) >= EXPLORE_AGAIN]
         if not untried:
             return None
         label = max(untried, key=scores.get)
-        self.exploring, self.challenger, self.streak = (nb, label), None, 0
+        self.tried[(nb, label)] = self.chunks_at[nb]
+        self.exploring, self.challenger, self.streak = (nb, label, current, self.realized[(nb, label)].runs), None, 0
         return label
 
     def record(self, nb: int, live: int, label: str, rounds: int, tokens: int, seconds: float,
                clean: bool = True) -> None:
         """One chunk's outcome: its rounds, the tokens its live rows emitted, its wall time. A chunk after a prefill
-        or a catch-up (not `clean`: that work ran on the device inside its time) updates only the realized rate: its
+        or a catch-up (not `clean`: that work ran on the device inside its time) updates only the realization: its
         round time would charge one shape with work every shape does."""
         if rounds <= 0 or seconds <= 0 or live <= 0:
             return
@@ -234,34 +262,32 @@ class LoadPolicy:
         for key, at in list(self.dropped.items()):  # a drop expires: fresh evidence decides again
             if key[0] == nb and self.chunks_at[nb] - at >= DROP_CHUNKS:
                 del self.dropped[key]
-                self.row_rate.pop(key, None)
-                self.clean_rate.pop(key, None)
+                self.realized.pop(key, None)
         modelled = self.modelled(nb, live, label)  # before this chunk's time moves the round cost
         for (b, _), evidence in self.realized.items():
             if b == nb:
                 evidence.forget()
-        if modelled is not None:  # a clean chunk's time feeds the round cost below: it realizes the model by definition
-            self.realized[(nb, label)].add(tokens, tokens if clean else modelled * seconds)
-        if clean:
+        # a clean chunk's time feeds the round cost below: it realizes the model by definition
+        predicted = tokens if clean or modelled is None else modelled * seconds
+        self.realized[(nb, label)].add(tokens, predicted, live * seconds)
+        if clean or not self.round_s[(nb, label)].samples:  # (with no warmup: a first cost, however rough)
             self.round_s[(nb, label)].add(seconds / rounds)
-        rate = tokens / live / seconds
-        self.row_rate[(nb, label)].add(rate)
-        if clean:
-            self.clean_rate[(nb, label)].add(rate)
         if label != OFF and (nb, label) not in self.dropped and self.worse_than_off(nb, label):
             self.dropped[(nb, label)] = self.chunks_at[nb]
 
     def worse_than_off(self, nb: int, label: str) -> bool:
-        """Whether `label` realizes more than 5% fewer tokens per row per second than off at bucket nb, both over
-        MIN_SAMPLES chunks; where off has not run there, its clean chunks against off's timed step cost (one token a
-        step), so a shape that keeps off from running at a bucket must still measure up to it."""
-        this, off = self.row_rate[(nb, label)], self.row_rate.get((nb, OFF))
-        if off is not None and min(this.samples, off.samples) >= MIN_SAMPLES:
-            return this.value < DROP_MARGIN * off.value
-        this, cost = self.clean_rate.get((nb, label)), self.round_s.get((nb, OFF))
-        if this is None or this.samples < MIN_SAMPLES or cost is None or not cost.samples:
+        """Whether `label` realizes more than 10% fewer tokens per row per second than off at bucket nb, over at least
+        MIN_SAMPLES chunks of it: against off's realized rate there once off has as many, else against off's
+        prediction (its timed step cost, one token a step, times what off realized there), with this shape's
+        prediction carrying what it realized (its factor), so a shape that keeps off from running at a bucket must
+        still measure up to it."""
+        this, off = self.realized[(nb, label)], self.realized.get((nb, OFF))
+        if this.runs < MIN_SAMPLES:
             return False
-        return this.value < DROP_MARGIN / max(cost.value, 1e-9)
+        if off is not None and off.runs >= MIN_SAMPLES:
+            return this.rate() < DROP_MARGIN * off.rate()
+        this_rate, off_rate = self.predicted(nb, 1, label), self.predicted(nb, 1, OFF)
+        return this_rate is not None and off_rate is not None and this_rate < DROP_MARGIN * off_rate
 
     def summary(self) -> dict:
         p_DR = self.acceptance()
@@ -271,4 +297,6 @@ class LoadPolicy:
                 "round_ms": {f"{nb}/{label}": a.value * 1e3 for (nb, label), a in sorted(self.round_s.items())},
                 "realized_factor": {f"{nb}/{label}": r.factor() for (nb, label), r in sorted(self.realized.items())
                                     if r.chunks > 0},
+                "realized_row_rate": {f"{nb}/{label}": r.rate() for (nb, label), r in sorted(self.realized.items())
+                                      if r.chunks > 0},
                 "dropped": sorted(f"{nb}/{label}" for nb, label in self.dropped)}
