@@ -255,13 +255,35 @@ def test_a_trial_that_trails_is_cut_short_and_the_incumbent_returns_at_once():
     assert len({label for label, _ in trials}) == len(trials) and held[-20:] == ["chain:4"] * 20, held
 
 
+def test_a_shape_not_running_is_priced_at_its_warmup_cost_scaled_as_the_running_ones_ran():
+    """Warmup timed device time alone; running chunks also hold the host's gap (here every shape's 30% more). chain:4
+    is the best shape at bucket 1 by its warmup costs (acceptance 0.6, chain:2 4% behind). Priced by raw warmup
+    timings, chain:2 would look 20% ahead once chain:4's own chunks showed the gap, and the policy would leave
+    chain:4 for it; scaled by the running shapes' runtime over warmup ratio, chain:4 is kept (chain:2 runs only
+    as a trial)."""
+    p = LoadPolicy(LABELS, SPECS)
+    for label, ms in ROUND_MS[1].items():
+        p.warm_s[(1, label)] = ms / 1e3
+    p.learn("chain:4", (100_000 * 0.6 ** np.arange(1, 5))[:, None], 100_000)
+    shape, held = p.choose(1, 1, None), []
+    assert shape == "chain:4"
+    for _ in range(10):  # clean chunks: the running shape's cost moves to its runtime
+        p.record(1, 1, shape, 8, 8 * p.tau(shape), 8 * 1.3 * ROUND_MS[1][shape] / 1e3)
+    assert abs(p.cost(1, "chain:2") / (1.3 * ROUND_MS[1]["chain:2"] / 1e3) - 1) < 1e-3
+    raw = p.tau("chain:2") / (ROUND_MS[1]["chain:2"] / 1e3)
+    assert raw > 1.15 * p.predicted(1, 1, "chain:4") > 1.15 * p.predicted(1, 1, "chain:2")
+    for _ in range(60):
+        p.record(1, 1, shape, 8, 8 * p.tau(shape), 8 * 1.3 * ROUND_MS[1][shape] / 1e3)
+        shape = p.choose(1, 1, shape)
+        held.append(shape)
+    assert held.count("chain:4") >= len(held) - len(LABELS) * EXPLORE_CHUNKS and held[-20:] == ["chain:4"] * 20, held
+
+
 def test_chunk_rounds_are_the_fewest_powers_of_two_that_take_the_target_time():
     from specjax.engine.engine import CHUNK_TARGET_S, MAX_ROUNDS, chunk_rounds
-    from specjax.engine.policy import Average
 
-    assert chunk_rounds(None) == 1 and chunk_rounds(Average()) == 1  # no cost known yet
-    assert chunk_rounds(Average(1e-4, 1)) == MAX_ROUNDS
+    assert chunk_rounds(None) == 1 and chunk_rounds(1e-4) == MAX_ROUNDS  # no cost known yet; a cheap round
     for round_s in (0.004, 0.007, 0.01, 0.03, 0.049, 0.051, 0.2):
-        rounds = chunk_rounds(Average(round_s, 1))
+        rounds = chunk_rounds(round_s)
         assert rounds * round_s >= CHUNK_TARGET_S and (rounds == 1 or rounds / 2 * round_s < CHUNK_TARGET_S), round_s
         assert rounds & (rounds - 1) == 0

@@ -815,7 +815,7 @@ class Engine:
         if self.leader:
             fixed = len(self.labels) == 1
             label = self.labels[0] if fixed else self.policy.choose(nb, live, self._shape)
-            rounds, width = chunk_rounds(self.policy.round_s.get((nb, label))), self._width(label)
+            rounds, width = chunk_rounds(self.policy.cost(nb, label)), self._width(label)
             if label == OFF:  # a plain step emits one token a row: the chunk ends where the first budget does
                 rounds = max(1, min([rounds] + [m - a.floor for a, m in budgets if a.floor < m]))
             # A row whose budget may run out in this chunk: the chunk ends when a row finishes, and the host reads it
@@ -1120,7 +1120,7 @@ class Engine:
                         self._snapshot()
                         self._retire_all()
                     if len(timings) > 1:  # the least: a timing is only ever slowed by what else runs
-                        self.policy.round_s[(nb, label)].add(min(timings[1:]))
+                        self.policy.warm_s[(nb, label)] = min(timings[1:])
         for n in self._chunked_lengths():  # every (prompt bucket, piece) executable of a chunked prefill
             a = self._dummy(n)
             a.slot, a.prefilling = self._live_count(), True
@@ -1271,16 +1271,16 @@ def _free_bytes() -> float | None:
     return None
 
 
-def chunk_rounds(round_s) -> int:
-    """Rounds of a chunk at `round_s` (the policy's Average of seconds a round for this bucket and shape, or None):
-    the fewest, a power of two, that take CHUNK_TARGET_S, up to MAX_ROUNDS; 1 while the cost is unknown. A chunk
-    bounds how long an arrival waits for its slot and a stream for its next tokens, and each chunk costs a host gap.
-    Sized from the cost the policy keeps per bucket, a shape runs full chunks from its first: rounds grown chunk by
-    chunk from 1 made the first chunks of a shape just switched to (an exploration's) mostly host gaps, which
-    measured "off" at half its rate at 8 rows."""
-    if round_s is None or round_s.samples == 0 or round_s.value <= 0:
+def chunk_rounds(round_s: float | None) -> int:
+    """Rounds of a chunk at `round_s` seconds a round (the policy's cost for this bucket and shape, or None): the
+    fewest, a power of two, that take CHUNK_TARGET_S, up to MAX_ROUNDS; 1 while the cost is unknown. A chunk bounds
+    how long an arrival waits for its slot and a stream for its next tokens, and each chunk costs a host gap. Sized
+    from the cost the policy keeps per bucket, a shape runs full chunks from its first: rounds grown chunk by chunk
+    from 1 made the first chunks of a shape just switched to (an exploration's trial) mostly host gaps, and it
+    measured far below what it realized in its own engine."""
+    if not round_s or round_s <= 0:
         return 1
-    return min(MAX_ROUNDS, 1 << max(0, math.ceil(math.log2(CHUNK_TARGET_S / round_s.value))))
+    return min(MAX_ROUNDS, 1 << max(0, math.ceil(math.log2(CHUNK_TARGET_S / round_s))))
 
 
 def _buckets(low: int, high: int) -> list[int]:

@@ -1,9 +1,12 @@
 """Which draft shape the next chunk runs, from the number of slots decoding now.
 
-Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / round_s(nb, shape):
-- round_s, seconds per round of the compiled chunk at bucket nb, timed by `Engine.warmup` (the least of three
-  timings) and then updated from every chunk the engine runs with no prefill or catch-up before it (an exponential
-  average of its wall time over its rounds; the realized rate below counts every chunk);
+Tokens per second of a shape at occupancy n in bucket nb = n x tau(shape) / cost(nb, shape):
+- cost, seconds per round of the compiled chunk at bucket nb: once the shape has run there, round_s, an exponential
+  average of the wall time over the rounds of its chunks with no prefill or catch-up before them (the realized rate
+  below counts every chunk); before that, its warmup timing (`Engine.warmup`, the least of three, device time
+  alone: warm_s) times the median, over the shapes that have run there, of their round_s over their warm_s. A
+  running chunk's time holds the host's gap as well, so raw warmup timings made every shape not running look
+  cheaper than the one running, and the policy kept leaving a shape for one that, once run, cost more;
 - tau, tokens a row emits per round, from the planner's positional acceptance model (planning/planner.py): p[d][r]
   = P(the rank-r draft at depth d + 1 is accepted | its parent was), counted online across every chunk whatever its
   shape (verified drafts per (depth, rank) over their opportunities, planning/calibration.py `opportunities`), so
@@ -54,7 +57,7 @@ MIN_SAMPLES = 16  # chunks per (bucket, shape) before its realized rate can drop
 DROP_MARGIN = 0.9  # dropped only when this far below off: a drop lasts DROP_CHUNKS, and 0.95 dropped shapes that
 # were as good as off
 DROP_CHUNKS = 300  # chunks at a bucket a drop lasts
-EMA = 0.2  # weight of a new chunk in the running averages
+EMA = 0.1  # weight of a new chunk in the running round costs
 FORGET = 0.999  # per chunk at a bucket: how much of each shape's realization evidence there is kept
 PRIOR_CHUNKS = 2.0  # chunks' worth of belief in the model (factor 1) that a measured factor is shrunk toward
 EXPLORE_CHUNKS = 6  # chunks a shape runs when tried at a bucket (LoadPolicy.explore), at most
@@ -125,7 +128,8 @@ class LoadPolicy:
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
         self.exploring: tuple[int, str, str, int] | None = None  # (bucket, shape, incumbent, its runs before): a trial
         self.tried: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when last tried
-        self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)
+        self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)  # seconds a round of running chunks
+        self.warm_s: dict[tuple[int, str], float] = {}  # seconds a round as warmup timed it (device time)
         self.realized: dict[tuple[int, str], Realization] = defaultdict(Realization)
         self.dropped: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when dropped
         self.chunks_at: dict[int, int] = defaultdict(int)  # chunks recorded per bucket
@@ -182,13 +186,23 @@ class LoadPolicy:
         tree = expected_template(spec, p_DR) if isinstance(spec, DynamicTreeSpec) else spec
         return expected_tau(tree, p_DR)
 
-    def modelled(self, nb: int, live: int, label: str) -> float | None:
-        """The model's tokens per second at `live` rows (tau over the round time), or None while this bucket's round
-        time is unknown."""
-        cost = self.round_s.get((nb, label))
-        if cost is None or cost.samples == 0:
+    def cost(self, nb: int, label: str) -> float | None:
+        """Seconds a round of `label` at bucket nb (module docstring), or None while neither run nor timed there."""
+        ran = self.round_s.get((nb, label))
+        if ran is not None and ran.samples:
+            return ran.value
+        warm = self.warm_s.get((nb, label))
+        if warm is None:
             return None
-        return live * self.tau(label) / max(cost.value, 1e-9)
+        ratios = [a.value / self.warm_s[key] for key, a in self.round_s.items()
+                  if key[0] == nb and a.samples and key in self.warm_s]
+        return warm * (float(np.median(ratios)) if ratios else 1.0)
+
+    def modelled(self, nb: int, live: int, label: str) -> float | None:
+        """The model's tokens per second at `live` rows (tau over the round cost), or None while this bucket's round
+        cost is unknown."""
+        cost = self.cost(nb, label)
+        return None if cost is None else live * self.tau(label) / max(cost, 1e-9)
 
     def predicted(self, nb: int, live: int, label: str) -> float | None:
         """Tokens per second at `live` rows: the model's, times what this shape realized of it at this bucket."""
@@ -270,7 +284,7 @@ class LoadPolicy:
         # a clean chunk's time feeds the round cost below: it realizes the model by definition
         predicted = tokens if clean or modelled is None else modelled * seconds
         self.realized[(nb, label)].add(tokens, predicted, live * seconds)
-        if clean or not self.round_s[(nb, label)].samples:  # (with no warmup: a first cost, however rough)
+        if clean or self.cost(nb, label) is None:  # (with no warmup: a first cost, however rough)
             self.round_s[(nb, label)].add(seconds / rounds)
         if label != OFF and (nb, label) not in self.dropped and self.worse_than_off(nb, label):
             self.dropped[(nb, label)] = self.chunks_at[nb]
@@ -294,7 +308,9 @@ class LoadPolicy:
         return {"acceptance_at_depth": [float(x) for x in np.cumprod(p_DR[:, 0])],  # a chain's draft d is emitted
                 "acceptance_depth_rank": [[float(x) for x in row] for row in p_DR],
                 "tau": {label: self.tau(label) for label in self.labels},
-                "round_ms": {f"{nb}/{label}": a.value * 1e3 for (nb, label), a in sorted(self.round_s.items())},
+                "round_ms": {f"{nb}/{label}": self.cost(nb, label) * 1e3
+                             for nb, label in sorted(set(self.round_s) | set(self.warm_s))
+                             if self.cost(nb, label) is not None},
                 "realized_factor": {f"{nb}/{label}": r.factor() for (nb, label), r in sorted(self.realized.items())
                                     if r.chunks > 0},
                 "realized_row_rate": {f"{nb}/{label}": r.rate() for (nb, label), r in sorted(self.realized.items())
