@@ -126,7 +126,8 @@ class LoadPolicy:
     def __init__(self, labels: list[str], specs: dict, hysteresis: float = 0.05, dwell: int = DWELL):
         self.labels, self.specs, self.hysteresis, self.dwell = list(labels), dict(specs), hysteresis, dwell
         self.challenger, self.streak = None, 0  # the shape leading the one in use, and for how many choices
-        self.exploring: tuple[int, str, str, int] | None = None  # (bucket, shape, incumbent, its runs before): a trial
+        # a trial (explore): (bucket, the shape tried, the shape in use before it, the tried shape's chunks before it)
+        self.exploring: tuple[int, str, str, int] | None = None
         self.tried: dict[tuple[int, str], int] = {}  # (bucket, shape) -> the bucket's chunk count when last tried
         self.round_s: dict[tuple[int, str], Average] = defaultdict(Average)  # seconds a round of running chunks
         self.warm_s: dict[tuple[int, str], float] = {}  # seconds a round as warmup timed it (device time)
