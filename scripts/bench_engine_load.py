@@ -81,8 +81,9 @@ def main() -> None:
                     "(e.g. 'kary:3,2,1;kary:4,2,2,1'); they need a drafter that drafts trees (treereplay, draft)")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("--requests", type=int, default=8,
-                    help="requests per fixed-concurrency run (at least 4 x the concurrency)")
+    ap.add_argument("--requests", type=int, default=24,
+                    help="requests per fixed-concurrency run (at least 4 x the concurrency; at 8 a cell lasted about "
+                         "a second on the CPU, too short to tell 5%% apart)")
     ap.add_argument("--tokens", type=int, default=32, help="output tokens per request (their mean with --spread)")
     ap.add_argument("--spread", type=float, default=0.5,
                     help="output lengths uniform in tokens x [1 - spread, 1 + spread], seeded, the same sequence for "
@@ -251,7 +252,9 @@ def plot(record: dict, path: str) -> None:
         labels = sorted({s for _, _, s in r["ramp_shapes"]}, key=lambda s: (s != "off", s))
         ax2 = ax.twinx()
         times = [max(0.0, t - r["ramp_began"]) for t, _, _ in r["ramp_shapes"]]
-        ax2.step(times, [labels.index(s) for _, _, s in r["ramp_shapes"]], where="post", color="C3", label="shape")
+        shapes = [labels.index(s) for _, _, s in r["ramp_shapes"]]
+        end = r["step_s"] * len(r["ramp_levels"])  # the last shape holds to the ramp's end
+        ax2.step(times + [end], shapes + shapes[-1:], where="post", color="C3", label="shape")
         ax2.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("seconds")
         ax.set_ylabel("live requests")
