@@ -1018,7 +1018,15 @@ class Engine:
             jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,),
                              out_shardings=out)
             self._executables[key] = jitted
+            self._quiesce()  # its first call compiles (and writes the persistent cache)
         return _Counted(self, jitted, static, key[0])
+
+    def _quiesce(self) -> None:
+        """Wait for the device work in flight (the slots' last writer, the snapshots not yet read). A compile then
+        runs with nothing executing: a cold test run's engine thread aborted inside XLA's executable serialization
+        (the persistent cache's write) while the loop's chunks were dispatched behind it, and waiting costs nothing
+        beside a compile (none after warmup)."""
+        jax.block_until_ready((getattr(self, "_slots", None), [c.snap for c in self._inflight]))
 
     def _snapshot(self):
         """What the host reads after a chunk; in a multi-process job whole on every process (a row's data-parallel
