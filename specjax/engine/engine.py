@@ -451,8 +451,12 @@ class Engine:
         """Stop the loop and wait for its thread; queued and decoding requests end with finish_reason "abort".
 
         Leaving a `with Engine(...)` block calls it. Calling it again does nothing more; `submit` and `warmup` then
-        raise RuntimeError. In a multi-process job process 0's close stops every process's loop; another
-        process's close waits for that.
+        raise RuntimeError. In a multi-process job process 0's close stops every process's loop; another process's
+        close waits for that.
+
+        The compiled executables stay in JAX's process-wide caches (an engine of the same configuration reuses
+        them); a process that builds many differently configured engines frees them with `jax.clear_caches()` (on
+        the CPU each holds memory mappings, of which Linux allows 65,530 a process by default).
         """
         with self._lock:
             if self.leader:
@@ -1018,15 +1022,7 @@ class Engine:
             jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=() if donate is None else (donate,),
                              out_shardings=out)
             self._executables[key] = jitted
-            self._quiesce()  # its first call compiles (and writes the persistent cache)
         return _Counted(self, jitted, static, key[0])
-
-    def _quiesce(self) -> None:
-        """Wait for the device work in flight (the slots' last writer, the snapshots not yet read). A compile then
-        runs with nothing executing: a cold test run's engine thread aborted inside XLA's executable serialization
-        (the persistent cache's write) while the loop's chunks were dispatched behind it, and waiting costs nothing
-        beside a compile (none after warmup)."""
-        jax.block_until_ready((getattr(self, "_slots", None), [c.snap for c in self._inflight]))
 
     def _snapshot(self):
         """What the host reads after a chunk; in a multi-process job whole on every process (a row's data-parallel
