@@ -71,6 +71,18 @@ def keep_in_flight(engine, prompts, budget, concurrency, duration_s: float | Non
     return tokens, time.perf_counter() - start
 
 
+def make_drafter(which: str, draft_model, continuations, prompts, vocab: int):
+    """The drafter `which` names: "draft" (the preset's draft model), "replay:ALPHA" or "treereplay:ALPHA" (each
+    prompt's continuation, `continuations`, drafted right with probability ALPHA)."""
+    if which == "draft":
+        return draft_model
+    if which.startswith("replay:"):
+        return replay_drafter(continuations, vocab, 1.0 - float(which.split(":")[1]), prompts=prompts)
+    if which.startswith("treereplay:"):
+        return tree_replay(continuations, vocab, float(which.split(":")[1]), prompts=prompts)
+    raise SystemExit(f"unknown drafter {which!r}: replay:ALPHA, treereplay:ALPHA or draft")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="300m", choices=sorted(PRESETS))
@@ -126,14 +138,7 @@ def main() -> None:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "drafters": {}}
     for which in args.drafters.split(","):
-        if which == "draft":
-            drafter = draft_model
-        elif which.startswith("replay:"):
-            drafter = replay_drafter(continuations, vocab, 1.0 - float(which.split(":")[1]), prompts=prompts)
-        elif which.startswith("treereplay:"):
-            drafter = tree_replay(continuations, vocab, float(which.split(":")[1]), prompts=prompts)
-        else:
-            raise SystemExit(f"unknown drafter {which!r}: replay:ALPHA, treereplay:ALPHA or draft")
+        drafter = make_drafter(which, draft_model, continuations, prompts, vocab)
         settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
                     "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
                     **{f"tree:{t}": dict(tree=t) for t in trees}}

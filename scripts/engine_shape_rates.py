@@ -1,26 +1,27 @@
-"""Does "auto" measure each shape as that shape's own engine realizes it? At one concurrency, the realized tokens per
-live row per second that the "auto" engine's policy keeps for each shape at the occupancy bucket (its decayed sums
-over the chunks it ran of that shape, `stats()["realized_row_rate"]`), beside each fixed engine's own.
+"""Does "auto" measure each shape as that shape's own engine realizes it? At one concurrency, what the "auto"
+engine's policy believes of each shape at the occupancy bucket (its round cost, tau, realization factor, the
+prediction it chooses on, and the realized tokens per live row per second it drops shapes on), beside each fixed
+engine's own realized rate and tokens/s.
 
-    python scripts/engine_shape_rates.py --preset tiny20m --concurrency 8 --requests 32
+    python scripts/engine_shape_rates.py --preset tiny20m --drafter treereplay:0.6 --concurrency 8 --requests 24
 
-The drafter is the preset's random draft model: a real drafter, whose switches cost (catch-ups, its own prefills).
-
-The policy chooses on these rates (through its realization factors) and drops a shape on them, so a shape measured
-far below its own engine inside "auto" (a trial's first chunks, a switch's cost charged to the wrong shape) is a
-wrong choice waiting to happen. Settings run interleaved, `--repeats` times, as in scripts/bench_engine_load.py
-(whose workload, `keep_in_flight` and cache sizing this reuses).
+Drafters as in scripts/bench_engine_load.py (`make_drafter`: the preset's draft model, replay or tree replay), whose
+workload (`keep_in_flight`, mixed output lengths) and cache sizing this reuses. Settings run interleaved, a
+shuffled order per repeat. A shape predicted above another by the policy but realized below it in its own engine
+is a wrong choice the policy will make: this is the tool for finding why (a round cost that misses the host's gap,
+a factor shrunk to the model's word, a trial cut short).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import numpy as np
 
 import specjax
-from bench_engine_load import keep_in_flight
+from bench_engine_load import keep_in_flight, make_drafter
 from specjax.bench.ar import PRESETS, machine_info
 from specjax.bench.spec import preset_pair
 from specjax.decoding.request import batch_bucket, round_cache_length
@@ -30,48 +31,75 @@ from specjax.decoding.tree import parse_tree
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny20m", choices=sorted(PRESETS))
+    ap.add_argument("--drafter", default="draft", help="draft, replay:ALPHA or treereplay:ALPHA")
     ap.add_argument("--chains", default="1,2,4")
+    ap.add_argument("--trees", default="", help="';'-separated trees among auto's shapes (a tree-drafting drafter)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=48, help="mean output tokens (uniform within +-50%)")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=48, help="mean output tokens (uniform within +-50%%)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     chains = [int(k) for k in args.chains.split(",")]
+    trees = [t for t in args.trees.split(";") if t]
     target, draft_model = preset_pair(args.preset, None, 0, "auto")
+    vocab = target.cfg.vocab_size
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, target.cfg.vocab_size, args.prompt_len).tolist() for _ in range(64)]
+    prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(64)]
     low, high = round(args.tokens * 0.5), round(args.tokens * 1.5)
     budgets = rng.integers(low, high + 1, 97).tolist()
-    nodes = max(parse_tree(None, k).cache_slots for k in chains)
+    continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
+    drafter = make_drafter(args.drafter, draft_model, continuations, prompts, vocab)
+    nodes = max([parse_tree(None, k).cache_slots for k in chains] + [parse_tree(t, None).cache_slots for t in trees])
     max_len = round_cache_length(args.prompt_len + high + 1 + nodes) - nodes
-    settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains), "off": dict(num_draft_tokens="off"),
-                **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains}}
-    engines = {name: specjax.Engine(target, draft_model, max_slots=args.slots, max_len=max_len, sampling=False, **kw)
+    settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
+                "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
+                **{f"tree:{t}": dict(tree=t) for t in trees}}
+    engines = {name: specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False, **kw)
                for name, kw in settings.items()}
     for engine in engines.values():
         engine.warmup()
-    key = f"{min(batch_bucket(args.concurrency, 1), args.slots)}/"
+    nb = min(batch_bucket(args.concurrency, 1), args.slots)
     runs = []
     for rep in range(args.repeats):
         order = list(engines)
         np.random.default_rng(rep).shuffle(order)
         for name in order:
-            tokens, seconds = keep_in_flight(engines[name], prompts, budgets, args.concurrency, total=args.requests)
-            rates = {k.removeprefix(key): v for k, v in engines[name].stats()["realized_row_rate"].items()
-                     if k.startswith(key)}
-            runs.append({"repeat": rep, "engine": name, "tok_s": tokens / seconds, "realized_row_rate": rates})
-            print(f"{rep} {name}: {tokens / seconds:.0f} tokens/s; realized per row at bucket {key[:-1]}: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()), flush=True)
-    last = {r["engine"]: r["realized_row_rate"] for r in runs if r["repeat"] == args.repeats - 1}
-    print("\nshape: inside auto / in its own engine (last repeat)")
-    for name in engines:
-        if name != "auto" and name in last["auto"]:
-            print(f"  {name}: {last['auto'][name]:.1f} / {last[name][name]:.1f} = "
-                  f"{last['auto'][name] / last[name][name]:.2f}")
+            engine = engines[name]
+            changes_before = len(engine.stats()["shapes_over_time"])
+            tokens, seconds = keep_in_flight(engine, prompts, budgets, args.concurrency, total=args.requests)
+            stats = engine.stats()
+            belief = {label: {key: stats[key].get(f"{nb}/{label}") for key in ("round_ms", "realized_factor",
+                                                                                "realized_row_rate")}
+                      | {"tau": stats["tau"][label]} for label in stats["shapes"]}
+            for b in belief.values():
+                if b["round_ms"] is not None:
+                    b["predicted_row_rate"] = b["tau"] / b["round_ms"] * 1e3 * (b["realized_factor"] or 1.0)
+            ran = [s for _, _, s in stats["shapes_over_time"][max(0, changes_before - 1):]]
+            runs.append({"repeat": rep, "engine": name, "tok_s": tokens / seconds, "belief": belief, "ran": ran})
+            print(f"{rep} {name}: {tokens / seconds:.0f} tokens/s" + (f", ran {ran}" if name == "auto" else ""),
+                  flush=True)
+    auto_tok_s = statistics.median(r["tok_s"] for r in runs if r["engine"] == "auto")
+    print(f"\nauto: {auto_tok_s:.0f} tokens/s (median). At bucket {nb}: auto's belief after the last repeat | each "
+          "fixed engine's own (medians over repeats)")
+    print(f"{'shape':>22} {'round ms':>9} {'tau':>5} {'factor':>7} {'predicted':>10} {'realized':>9} | "
+          f"{'realized':>9} {'tokens/s':>9}")
+    auto = [r for r in runs if r["engine"] == "auto"][-1]["belief"]
+    for name in [n for n in engines if n != "auto"]:
+        own = [r for r in runs if r["engine"] == name]
+        tok_s = statistics.median(r["tok_s"] for r in own)
+        # a fixed engine has one shape (a fixed tree's label may spell its spec otherwise than auto's)
+        b, mine = auto.get(name, {}), [next(iter(r["belief"].values()))["realized_row_rate"] for r in own]
+        mine = statistics.median(m for m in mine if m is not None) if any(m is not None for m in mine) else None
+
+        def fmt(x, width, digits=1):
+            return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+        print(f"{name:>22} {fmt(b.get('round_ms'), 9, 2)} {fmt(b.get('tau'), 5, 2)} "
+              f"{fmt(b.get('realized_factor'), 7, 2)} {fmt(b.get('predicted_row_rate'), 10)} "
+              f"{fmt(b.get('realized_row_rate'), 9)} | {fmt(mine, 9)} {tok_s:>9.0f}")
     for engine in engines.values():
         engine.close()
     if args.out:
