@@ -71,6 +71,30 @@ def keep_in_flight(engine, prompts, budget, concurrency, duration_s: float | Non
     return tokens, time.perf_counter() - start
 
 
+def workload(preset: str, dtype, prompt_len: int, tokens: int, spread: float, chains: list[int], trees: list[str]):
+    """(target, draft model, 64 random prompts, 97 output budgets uniform in tokens x [1 - spread, 1 + spread],
+    each prompt's greedy continuation, the max_len that gives every engine one KV cache length)."""
+    target, draft_model = preset_pair(preset, dtype, 0, "auto")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, target.cfg.vocab_size, prompt_len).tolist() for _ in range(64)]
+    low, high = round(tokens * (1 - spread)), round(tokens * (1 + spread))
+    budgets = rng.integers(max(low, 1), high + 1, 97).tolist()  # 97: prime, so (prompt, length) pairs vary by pass
+    continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
+    # One KV cache length for every engine: an engine's cache holds max_len plus its largest shape's draft nodes,
+    # rounded up (round_cache_length), so with max_len just above the need a tree's nodes alone could push "auto"
+    # and the tree to the next multiple (256 positions against 128 here) and slow every round they run.
+    nodes = max([parse_tree(None, k).cache_slots for k in chains] + [parse_tree(t, None).cache_slots for t in trees])
+    max_len = round_cache_length(prompt_len + high + 1 + nodes) - nodes
+    return target, draft_model, prompts, budgets, continuations, max_len
+
+
+def engine_settings(chains: list[int], trees: list[str]) -> dict:
+    """Engine keyword arguments per setting: "auto" (off, the chains and the trees), "off", each chain, each tree."""
+    return {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
+            "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
+            **{f"tree:{t}": dict(tree=t) for t in trees}}
+
+
 def make_drafter(which: str, draft_model, continuations, prompts, vocab: int):
     """The drafter `which` names: "draft" (the preset's draft model), "replay:ALPHA" or "treereplay:ALPHA" (each
     prompt's continuation, `continuations`, drafted right with probability ALPHA)."""
@@ -122,26 +146,15 @@ def main() -> None:
     chains = [int(k) for k in args.chains.split(",")]
     trees = [t for t in args.trees.split(";") if t]
     levels = [int(c) for c in args.concurrency.split(",")]
-    target, draft_model = preset_pair(args.preset, args.dtype, 0, "auto")
+    target, draft_model, prompts, budgets, continuations, max_len = workload(
+        args.preset, args.dtype, args.prompt_len, args.tokens, args.spread, chains, trees)
     vocab = target.cfg.vocab_size
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(64)]
-    low, high = round(args.tokens * (1 - args.spread)), round(args.tokens * (1 + args.spread))
-    budgets = rng.integers(max(low, 1), high + 1, 97).tolist()  # 97: prime, so (prompt, length) pairs vary by pass
-    continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
-    # One KV cache length for every engine: an engine's cache holds max_len plus its largest shape's draft nodes,
-    # rounded up (round_cache_length), so with max_len just above the need a tree's nodes alone could push "auto"
-    # and the tree to the next multiple (256 positions against 128 here) and slow every round they run.
-    nodes = max([parse_tree(None, k).cache_slots for k in chains] + [parse_tree(t, None).cache_slots for t in trees])
-    max_len = round_cache_length(args.prompt_len + high + 1 + nodes) - nodes
     record = {"script": "scripts/bench_engine_load.py", "args": vars(args), "machine": machine_info(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"), "drafters": {}}
     for which in args.drafters.split(","):
         drafter = make_drafter(which, draft_model, continuations, prompts, vocab)
-        settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
-                    "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
-                    **{f"tree:{t}": dict(tree=t) for t in trees}}
+        settings = engine_settings(chains, trees)
         engines = {}
         for name, kw in settings.items():
             engines[name] = specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False,

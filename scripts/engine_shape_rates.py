@@ -21,11 +21,9 @@ import statistics
 import numpy as np
 
 import specjax
-from bench_engine_load import keep_in_flight, make_drafter
+from bench_engine_load import engine_settings, keep_in_flight, make_drafter, workload
 from specjax.bench.ar import PRESETS, machine_info
-from specjax.bench.spec import preset_pair
-from specjax.decoding.request import batch_bucket, round_cache_length
-from specjax.decoding.tree import parse_tree
+from specjax.decoding.request import batch_bucket
 
 
 def main() -> None:
@@ -45,19 +43,10 @@ def main() -> None:
 
     chains = [int(k) for k in args.chains.split(",")]
     trees = [t for t in args.trees.split(";") if t]
-    target, draft_model = preset_pair(args.preset, None, 0, "auto")
-    vocab = target.cfg.vocab_size
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(64)]
-    low, high = round(args.tokens * 0.5), round(args.tokens * 1.5)
-    budgets = rng.integers(low, high + 1, 97).tolist()
-    continuations = specjax.generate(target, prompts, max_new_tokens=high + 1, eos_token_id=[]).tokens
-    drafter = make_drafter(args.drafter, draft_model, continuations, prompts, vocab)
-    nodes = max([parse_tree(None, k).cache_slots for k in chains] + [parse_tree(t, None).cache_slots for t in trees])
-    max_len = round_cache_length(args.prompt_len + high + 1 + nodes) - nodes
-    settings = {"auto": dict(num_draft_tokens="auto", auto_chains=chains, auto_trees=trees),
-                "off": dict(num_draft_tokens="off"), **{f"chain:{k}": dict(num_draft_tokens=k) for k in chains},
-                **{f"tree:{t}": dict(tree=t) for t in trees}}
+    target, draft_model, prompts, budgets, continuations, max_len = workload(
+        args.preset, None, args.prompt_len, args.tokens, 0.5, chains, trees)
+    drafter = make_drafter(args.drafter, draft_model, continuations, prompts, target.cfg.vocab_size)
+    settings = engine_settings(chains, trees)
     engines = {name: specjax.Engine(target, drafter, max_slots=args.slots, max_len=max_len, sampling=False, **kw)
                for name, kw in settings.items()}
     for engine in engines.values():
@@ -74,10 +63,8 @@ def main() -> None:
             stats = engine.stats()
             belief = {label: {key: stats[key].get(f"{nb}/{label}") for key in ("round_ms", "realized_factor",
                                                                                 "realized_row_rate")}
-                      | {"tau": stats["tau"][label]} for label in stats["shapes"]}
-            for b in belief.values():
-                if b["round_ms"] is not None:
-                    b["predicted_row_rate"] = b["tau"] / b["round_ms"] * 1e3 * (b["realized_factor"] or 1.0)
+                      | {"tau": stats["tau"][label], "predicted_row_rate": engine.policy.predicted(nb, 1, label)}
+                      for label in stats["shapes"]}
             ran = [s for _, _, s in stats["shapes_over_time"][max(0, changes_before - 1):]]
             runs.append({"repeat": rep, "engine": name, "tok_s": tokens / seconds, "belief": belief, "ran": ran})
             print(f"{rep} {name}: {tokens / seconds:.0f} tokens/s" + (f", ran {ran}" if name == "auto" else ""),

@@ -50,19 +50,21 @@ def _free_compiled_executables():
 # an abort inside XLA, in cold runs only: cache hits map less), and one test adds at most ~16,000
 # (test_no_compiles_after_warmup).
 MAP_BUDGET = 0.4
+try:
+    with open("/proc/sys/vm/max_map_count") as f:
+        MAP_LIMIT: int | None = int(f.read())
+except OSError:  # not Linux: no such limit to watch
+    MAP_LIMIT = None
 
 
 @pytest.fixture(autouse=True)
 def _free_compiled_executables_when_mappings_run_high():
     yield
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps") as f:
-            mappings = sum(1 for _ in f)
-    except OSError:  # not Linux: no such limit to watch
+    if MAP_LIMIT is None:
         return
-    if mappings > MAP_BUDGET * limit:
+    with open("/proc/self/maps") as f:
+        mappings = sum(1 for _ in f)
+    if mappings > MAP_BUDGET * MAP_LIMIT:
         jax.clear_caches()
         gc.collect()
 
