@@ -29,6 +29,12 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, seed=[3, 4, 5])
 # The loops each mesh runs (compiles are most of the time): TP across the processes plain and speculative, DP 2 x TP 4
 # (a data replica per process) everything.
 LOOPS = {"tp8": ("dense/plain", "dense/draft_chain", "tiny/eagle3_chain"), "dp2_tp4": None}
+LOOP_NAMES = ("dense/plain", "dense/draft_chain", "dense/draft_tree", "dense/sampled_plain", "dense/sampled_draft_chain",
+              "tiny/plain", "tiny/eagle3_chain", "tiny/stream", "tiny/dspark_confidence_scheduler", "tiny/inspect_draft")
+# One device decodes only what greedy speculation's equality with plain decoding does not give (the suite checks that
+# equality everywhere): each target's plain loop, the sampled ones, inspect_draft. A greedy speculative loop on a mesh
+# must equal its target's plain one-device tokens (`one_device_tokens`).
+ONE_DEVICE = ("dense/plain", "dense/sampled_plain", "dense/sampled_draft_chain", "tiny/plain", "tiny/inspect_draft")
 READ = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
 
 
@@ -70,7 +76,13 @@ def decode(dense, draft, tiny, eagle3, dspark, only: tuple[str, ...] | None = No
                                                                      scheduler="confidence", **KW).tokens,
         "tiny/inspect_draft": lambda: specjax.inspect_draft(tiny, eagle3, p[1], num_draft_tokens=3).tokens.tolist(),
     }
+    assert tuple(loops) == LOOP_NAMES
     return {name: run() for name, run in loops.items() if only is None or name in only}
+
+
+def one_device_tokens(want: dict, loop: str) -> list:
+    """What `loop` must decode: its one-device tokens when run (ONE_DEVICE), else its target's plain tokens."""
+    return want[loop] if loop in want else want[loop.split("/")[0] + "/plain"]
 
 
 def load_all(work: Path, mesh=None, dense=None):
