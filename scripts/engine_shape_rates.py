@@ -26,6 +26,11 @@ from specjax.bench.ar import PRESETS, machine_info
 from specjax.decoding.request import batch_bucket
 
 
+def fmt(x: float | None, width: int, digits: int = 1) -> str:
+    """A table cell: x right-aligned, or "-" where there is none."""
+    return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny20m", choices=sorted(PRESETS))
@@ -79,11 +84,9 @@ def main() -> None:
         own = [r for r in runs if r["engine"] == name]
         tok_s = statistics.median(r["tok_s"] for r in own)
         # a fixed engine has one shape (a fixed tree's label may spell its spec otherwise than auto's)
-        b, mine = auto.get(name, {}), [next(iter(r["belief"].values()))["realized_row_rate"] for r in own]
-        mine = statistics.median(m for m in mine if m is not None) if any(m is not None for m in mine) else None
-
-        def fmt(x, width, digits=1):
-            return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+        b = auto.get(name, {})
+        rates = [rate for r in own if (rate := next(iter(r["belief"].values()))["realized_row_rate"]) is not None]
+        mine = statistics.median(rates) if rates else None
         print(f"{name:>22} {fmt(b.get('round_ms'), 9, 2)} {fmt(b.get('tau'), 5, 2)} "
               f"{fmt(b.get('realized_factor'), 7, 2)} {fmt(b.get('predicted_row_rate'), 10)} "
               f"{fmt(b.get('realized_row_rate'), 9)} | {fmt(mine, 9)} {tok_s:>9.0f}")

@@ -38,11 +38,15 @@ import jax  # noqa: E402
 import pytest
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_compiled_executables():
-    yield
+def free_compiled_executables() -> None:
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_executables_after_each_module():
+    yield
+    free_compiled_executables()
 
 
 # Within a module too, once the mappings pass this share of the limit: tests/test_engine.py alone compiles enough (its
@@ -65,8 +69,7 @@ def _free_compiled_executables_when_mappings_run_high():
     with open("/proc/self/maps") as f:
         mappings = sum(1 for _ in f)
     if mappings > MAP_BUDGET * MAP_LIMIT:
-        jax.clear_caches()
-        gc.collect()
+        free_compiled_executables()
 
 
 # The longest test files, longest first (cold, on 2 cores: test_moe_speculative.py ~4.5 min, the others 1.5-3.5

@@ -29,8 +29,6 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, seed=[3, 4, 5])
 # The loops each mesh runs (compiles are most of the time): TP across the processes plain and speculative, DP 2 x TP 4
 # (a data replica per process) everything.
 LOOPS = {"tp8": ("dense/plain", "dense/draft_chain", "tiny/eagle3_chain"), "dp2_tp4": None}
-LOOP_NAMES = ("dense/plain", "dense/draft_chain", "dense/draft_tree", "dense/sampled_plain", "dense/sampled_draft_chain",
-              "tiny/plain", "tiny/eagle3_chain", "tiny/stream", "tiny/dspark_confidence_scheduler", "tiny/inspect_draft")
 # One device decodes only what greedy speculation's equality with plain decoding does not give (the suite checks that
 # equality everywhere): each target's plain loop, the sampled ones, inspect_draft. A greedy speculative loop on a mesh
 # must equal its target's plain one-device tokens (`one_device_tokens`).
@@ -49,9 +47,9 @@ def prompts() -> list[list[int]]:
     return [[5, 17, 99, 3, 42, 8, 200, 61, 7], [11, 12, 13, 14], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
-def decode(dense, draft, tiny, eagle3, dspark, only: tuple[str, ...] | None = None) -> dict:
-    """The loops the test compares (all, or those named in `only`), on targets already loaded (one device or a
-    mesh): name -> tokens."""
+def loops(dense, draft, tiny, eagle3, dspark) -> dict:
+    """The loops the test compares, on targets already loaded (one device or a mesh): name -> a call that decodes
+    (building the table runs nothing)."""
     import specjax
 
     p = prompts()
@@ -62,7 +60,7 @@ def decode(dense, draft, tiny, eagle3, dspark, only: tuple[str, ...] | None = No
             rows[chunk.index] += chunk.token_ids
         return rows
 
-    loops = {
+    return {
         "dense/plain": lambda: specjax.generate(dense, p, **KW).tokens,
         "dense/draft_chain": lambda: specjax.generate(dense, p, drafter=draft, num_draft_tokens=3, **KW).tokens,
         "dense/draft_tree": lambda: specjax.generate(dense, p, drafter=draft, tree="kary:2,1", **KW).tokens,
@@ -76,8 +74,11 @@ def decode(dense, draft, tiny, eagle3, dspark, only: tuple[str, ...] | None = No
                                                                      scheduler="confidence", **KW).tokens,
         "tiny/inspect_draft": lambda: specjax.inspect_draft(tiny, eagle3, p[1], num_draft_tokens=3).tokens.tolist(),
     }
-    assert tuple(loops) == LOOP_NAMES
-    return {name: run() for name, run in loops.items() if only is None or name in only}
+
+
+def decode(*models, only: tuple[str, ...] | None = None) -> dict:
+    """Every loop's tokens on `models` (those of `loops`), or those of the loops named in `only`: name -> tokens."""
+    return {name: run() for name, run in loops(*models).items() if only is None or name in only}
 
 
 def one_device_tokens(want: dict, loop: str) -> list:
